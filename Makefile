@@ -1,0 +1,22 @@
+# torch is pinned here, not in pyproject: on a CPU machine 2.13.0 is a local CPU wheel, while a loose
+# requirement would pull a multi-GB CUDA build. GPU hosts keep the torch they have (>= 2.11).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+
+.PHONY: install test test-fast demo lint clean
+
+install:
+	$(PYTHON) -m pip install $(TORCH)
+	$(PYTHON) -m pip install -e ".[dev]"
+
+test:
+	$(PYTHON) -m pytest -q
+
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow"
+
+demo:
+	torchrun --nproc-per-node 3 -m dflash_mp.main
+
+clean:
+	rm -rf outputs .pytest_cache

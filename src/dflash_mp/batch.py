@@ -1,0 +1,70 @@
+"""The two batch types that cross module boundaries.
+
+`PackedBatch` leaves the data pipeline (CPU tensors, one packed row of `seq_len` tokens).
+`HiddenBatch` leaves the target forward and crosses the transport to a drafter rank.
+Every tensor has a fixed shape for a run, so nothing downstream recompiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Header flags carried with every HiddenBatch.
+FLAG_END_OF_DATA = 1
+
+# Fields of the token tensors, in the order the transport packs them.
+TOKEN_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+
+
+@dataclass
+class PackedBatch:
+    """Whole conversations packed into one row of `seq_len` tokens.
+
+    Padding has `doc_ids == -1`, `loss_mask == 0`, `input_ids == pad_id`, `position_ids == 0`.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64, restarts at 0 for every document
+    doc_ids: torch.Tensor  # [T] int64, 0..num_docs-1, -1 on padding
+    loss_mask: torch.Tensor  # [T] int64, 1 on assistant tokens only
+    num_docs: int  # documents in this row
+    num_valid_tokens: int  # non-padding tokens
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class HiddenBatch:
+    """Captured target hidden states plus the token tensors they belong to."""
+
+    hidden: torch.Tensor  # [T, K*H], concat of the K captured layers (bf16 on GPU, fp32 on CPU)
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64
+    doc_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] int64
+    seq: int = 0  # sequence number on its (target, drafter) pair, from 0
+    num_valid_tokens: int = 0
+    flags: int = 0  # FLAG_* bits
+
+    @property
+    def end_of_data(self) -> bool:
+        return bool(self.flags & FLAG_END_OF_DATA)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "HiddenBatch":
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return HiddenBatch(
+            hidden=move(self.hidden),
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            doc_ids=move(self.doc_ids),
+            loss_mask=move(self.loss_mask),
+            seq=self.seq,
+            num_valid_tokens=self.num_valid_tokens,
+            flags=self.flags,
+        )

@@ -1,0 +1,137 @@
+"""Atomic, self-describing checkpoints.
+
+Layout: `<root>/step_00000042/{manifest.json, drafter.pt, rng_rank{r}.pt}`. Everything is written
+into `<root>/.tmp_step_00000042` first; the manifest goes last and the directory is renamed only
+when complete, so a kill mid-write leaves the previous checkpoint the newest loadable one.
+Target ranks need no state of their own: their data cursor is a function of the drafter step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # newest complete checkpoints to keep; older ones are pruned
+    resume: str = ""  # "" = fresh start | auto = newest complete checkpoint under dir, if any | a step dir
+    dir: str = ""  # checkpoint root; "" = <run_dir>/checkpoints
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def tmp_dir(root: str, step: int) -> str:
+    return os.path.join(root, "." + step_name(step))
+
+
+def _fsync_write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_file(obj, path: str) -> None:
+    """torch.save through a temp name, so a file either exists whole or not at all."""
+    part = path + ".part"
+    with open(part, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def commit(root: str, step: int, manifest: dict, keep: int) -> str:
+    """Write the manifest into the temp dir, rename it into place, prune old ones. Leader only."""
+    tmp = tmp_dir(root, step)
+    files = sorted(f for f in os.listdir(tmp) if not f.endswith(".part"))
+    manifest = {**manifest, "step": step, "files": files, "time": time.time()}
+    _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2).encode())
+    final = os.path.join(root, step_name(step))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune(root, keep)
+    return final
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint dirs under root, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        if not _STEP_RE.match(name):
+            continue
+        path = os.path.join(root, name)
+        try:
+            read_manifest(path)
+        except ValueError as e:
+            log.warning("skipping incomplete checkpoint: %s", e)
+            continue
+        out.append(path)
+    return out
+
+
+def prune(root: str, keep: int) -> None:
+    done = complete_checkpoints(root)
+    for path in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+    newest = int(_STEP_RE.match(os.path.basename(done[-1])).group(1)) if done else -1
+    for name in os.listdir(root):  # temp dirs of writes that never finished
+        if name.startswith(".step_") and int(name[len(".step_"):]) <= newest:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of a complete checkpoint; ValueError naming the problem otherwise."""
+    mpath = os.path.join(path, MANIFEST)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} has no {MANIFEST} (incomplete write?): pick another "
+                         "checkpoint or resume=auto to take the newest complete one.") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint {path}: corrupt {MANIFEST} ({e}).") from None
+    missing = [f for f in manifest.get("files", []) if not os.path.exists(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing {missing}: pick another checkpoint.")
+    return manifest
+
+
+def resolve_resume(resume: str, root: str) -> str | None:
+    """The checkpoint dir to resume from, or None for a fresh start."""
+    if not resume:
+        return None
+    if resume == "auto":
+        done = complete_checkpoints(root)
+        return done[-1] if done else None
+    if not os.path.isdir(resume):
+        raise ValueError(f"checkpoint.resume={resume!r} does not exist: pass a step_* directory, "
+                         "'auto', or '' for a fresh start.")
+    read_manifest(resume)
+    return resume
+
+
+def load_file(path: str, name: str, map_location="cpu"):
+    try:
+        return torch.load(os.path.join(path, name), map_location=map_location, weights_only=False)
+    except Exception as e:  # a torn or foreign file: name it, never crash deep inside torch
+        raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be loaded ({e}).") from None

@@ -1,0 +1,102 @@
+"""TensorBoard scalars reduced over a role's group, and the console progress bar.
+
+Rank-specific side effects go through null objects: every rank calls `log(...)`; only the role
+leader owns a real writer and bar.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # steps between metric reductions (the only host syncs of the hot loop)
+    tensorboard: bool = True  # write event files under <run_dir>/tb/<role>
+    progress: bool = True  # progress bar with ETA on the first drafter rank's console
+    peak_tflops: float = 790.0  # MFU denominator: measured dense bf16 matmul rate of one H200
+
+
+class NullWriter:
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def add_text(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_writer(enabled: bool, leader: bool, log_dir: str):
+    if not (enabled and leader):
+        return NullWriter()
+    from torch.utils.tensorboard import SummaryWriter
+
+    os.makedirs(log_dir, exist_ok=True)
+    return SummaryWriter(log_dir=log_dir)
+
+
+def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "mean") -> dict[str, float]:
+    """Mean (or sum) of each scalar over `group` with one all-reduce; returns host floats."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(())
+                        for k in keys])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if device.type == "cpu" or dist.get_backend(group) != "gloo":
+            dist.all_reduce(flat, group=group)
+        else:
+            cpu = flat.cpu()
+            dist.all_reduce(cpu, group=group)
+            flat = cpu
+        if mode == "mean":
+            flat = flat / dist.get_world_size(group)
+    return dict(zip(keys, flat.tolist()))
+
+
+class Progress:
+    """tqdm bar with ETA; a no-op off the leader."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, desc: str):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+    def update(self, n: int, postfix: dict[str, float] | None = None) -> None:
+        if self.bar is None:
+            return
+        if postfix:
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Timer:
+    """Wall time between `lap()` calls, in seconds."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        return dt

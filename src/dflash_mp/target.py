@@ -1,0 +1,170 @@
+"""The frozen target: load a Hugging Face causal LM, capture a few layers, stop after the last one.
+
+The drafter is trained on hidden states of `layer_ids` ("layer i" = output of decoder layer i,
+`hidden_states[i + 1]` of an HF forward). Layers past the last captured one, the final norm and the
+LM head are dropped from the module after loading, so they can never run (and cost no memory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .batch import HiddenBatch, PackedBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetConfig:
+    path: str = "builtin:tiny-qwen3"  # HF hub id or local dir; builtin:tiny-qwen3 = demo model built locally
+    layer_ids: list[int] | None = None  # captured layers; None = num_capture layers spread over 1..L-3
+    num_capture: int = 5  # K, used when layer_ids is None
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
+    attn_implementation: str = "sdpa"  # HF attention kernel; packed documents get a block-diagonal mask
+    cache_dir: str = "~/.cache/dflash_mp"  # where builtin targets are built once
+
+
+def default_layer_ids(num_layers: int, k: int) -> list[int]:
+    """K ids spread evenly from 1 to L-3 (Qwen3-8B, L=36, K=5: [1, 9, 17, 25, 33])."""
+    hi = num_layers - 3
+    if k < 1 or hi < 1 or k > hi:
+        raise ValueError(
+            f"target.num_capture={k} does not fit a target with {num_layers} layers: "
+            f"choose 1..{max(hi, 0)} or set target.layer_ids explicitly."
+        )
+    if k == 1:
+        return [hi]
+    return [round(1 + i * (hi - 1) / (k - 1)) for i in range(k)]
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    except KeyError:
+        raise ValueError(f"dtype={name!r} is not supported: use auto, bfloat16, float16 or float32.") from None
+
+
+def resolve_path(cfg: TargetConfig) -> str:
+    if cfg.path.startswith("builtin:"):
+        from .demo import resolve_target_path
+
+        return resolve_target_path(cfg.path, os.path.expanduser(cfg.cache_dir))
+    return cfg.path
+
+
+def load_target_config(path: str) -> dict:
+    """The target's config.json as a dict (no weights touched)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).to_dict()
+
+
+def _local_dir(path: str, patterns: list[str]) -> str:
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=patterns)
+
+
+def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the embedding and LM head weights of the target (what a drafter rank needs)."""
+    from safetensors import safe_open
+
+    local = _local_dir(path, ["*.json", "*.safetensors"])
+    index = os.path.join(local, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        weight_map = None
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    out = {}
+    for name in names:
+        if weight_map is not None and name not in weight_map:
+            continue
+        file = weight_map[name] if weight_map is not None else "model.safetensors"
+        with safe_open(os.path.join(local, file), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                out[name] = f.get_tensor(name)
+    if "model.embed_tokens.weight" not in out:
+        raise ValueError(f"target at {path} has no model.embed_tokens.weight in its safetensors files.")
+    embed = out["model.embed_tokens.weight"]
+    head = out.get("lm_head.weight", embed)  # tied embeddings
+    return embed.to(device, dtype), head.to(device, dtype)
+
+
+def block_diagonal_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] bool: token i sees token j iff same document and j <= i (padding sees itself)."""
+    t = doc_ids.shape[0]
+    same = doc_ids[:, None] == doc_ids[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
+    return ((same & causal) | eye)[None, None]
+
+
+class TargetWorker:
+    """Runs the truncated target over packed batches and returns HiddenBatches."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device):
+        self.layer_ids = list(layer_ids)
+        self.device = device
+        self.model = model
+        self.decoder = model.get_decoder()
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            self.decoder.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @classmethod
+    def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
+             attn_implementation: str = "sdpa") -> "TargetWorker":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        truncate(model, max(layer_ids))
+        model.to(device).eval().requires_grad_(False)
+        return cls(model, layer_ids, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch) -> HiddenBatch:
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        pos = batch.position_ids.to(self.device, non_blocking=True)
+        docs = batch.doc_ids.to(self.device, non_blocking=True)
+        mask = block_diagonal_causal_mask(docs)
+        self._captured.clear()
+        self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False)
+        hidden = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return HiddenBatch(
+            hidden=hidden,
+            input_ids=ids,
+            position_ids=pos,
+            doc_ids=docs,
+            loss_mask=batch.loss_mask.to(self.device, non_blocking=True),
+            num_valid_tokens=batch.num_valid_tokens,
+        )
+
+
+def truncate(model: nn.Module, last_layer: int) -> None:
+    """Drop decoder layers after `last_layer`, the final norm and the LM head."""
+    decoder = model.get_decoder()
+    decoder.layers = decoder.layers[: last_layer + 1]
+    decoder.norm = nn.Identity()
+    model.lm_head = nn.Identity()
+    model.config.num_hidden_layers = last_layer + 1
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[: last_layer + 1]

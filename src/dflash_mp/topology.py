@@ -1,0 +1,159 @@
+"""Who does what: the rank -> role map, target/drafter pairings, and every process group.
+
+`Topology` is a value object. `Topology.plan(...)` is pure (no torch.distributed), so a bad split
+fails with a `ValueError` before any process group or model exists; `init_groups()` then builds
+every group on every rank in the same order (`new_group` is collective over the whole world).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+TARGET = "target"
+DRAFTER = "drafter"
+
+
+@dataclass
+class TopologyConfig:
+    num_target_ranks: int = 1  # ranks running the frozen target; the rest train the drafter
+    backend: str = "auto"  # torch.distributed backend: auto (nccl with CUDA, else gloo) | nccl | gloo
+    timeout_s: float = 120.0  # collective/p2p timeout: a dead peer turns into an error, not a hang
+
+
+def _pair(targets: list[int], drafters: list[int]) -> dict[int, list[int]]:
+    """Round-robin pairing inside one pool: every rank gets at least one partner."""
+    feeds: dict[int, list[int]] = {t: [] for t in targets}
+    if len(drafters) >= len(targets):
+        for j, d in enumerate(drafters):
+            feeds[targets[j % len(targets)]].append(d)
+    else:
+        for i, t in enumerate(targets):
+            feeds[t].append(drafters[i % len(drafters)])
+    return feeds
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    target_ranks: tuple[int, ...]
+    drafter_ranks: tuple[int, ...]
+    feeds: dict[int, tuple[int, ...]]  # target rank -> drafter ranks it sends to (sorted)
+    sources: dict[int, tuple[int, ...]]  # drafter rank -> target ranks it receives from (sorted)
+    target_group: object = field(default=None, repr=False)
+    drafter_group: object = field(default=None, repr=False)
+    control_group: object = field(default=None, repr=False)  # gloo, whole world: metadata, liveness
+    drafter_cpu_group: object = field(default=None, repr=False)  # gloo, drafters: checkpoint barriers
+
+    # ---------------------------------------------------------------- planning (pure)
+    @classmethod
+    def plan(cls, num_target_ranks: int, rank: int, world_size: int, ranks_per_node: int | None = None):
+        if world_size < 2:
+            raise ValueError(
+                f"world_size={world_size}: dflash_mp needs at least 2 ranks (one target, one drafter); "
+                "launch with `torchrun --nproc-per-node 2` or more."
+            )
+        if not 1 <= num_target_ranks <= world_size - 1:
+            raise ValueError(
+                f"topology.num_target_ranks={num_target_ranks} is impossible with world_size={world_size}: "
+                f"choose a value from 1 to {world_size - 1} so that both roles have at least one rank."
+            )
+        rpn = ranks_per_node or world_size
+        if world_size % rpn:
+            raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={rpn}.")
+        num_nodes = world_size // rpn
+        # Spread targets evenly over nodes (first ranks of each node) so pairs stay node-local.
+        per_node = [num_target_ranks // num_nodes + (n < num_target_ranks % num_nodes) for n in range(num_nodes)]
+        targets, drafters = [], []
+        for node, k in enumerate(per_node):
+            node_ranks = list(range(node * rpn, (node + 1) * rpn))
+            targets += node_ranks[:k]
+            drafters += node_ranks[k:]
+        node_local = all(0 < k < rpn for k in per_node)
+        feeds: dict[int, list[int]] = {}
+        if node_local:
+            for node in range(num_nodes):
+                lo, hi = node * rpn, (node + 1) * rpn
+                feeds.update(_pair([t for t in targets if lo <= t < hi], [d for d in drafters if lo <= d < hi]))
+        else:
+            feeds = _pair(targets, drafters)
+        sources: dict[int, list[int]] = {d: [] for d in drafters}
+        for t, ds in feeds.items():
+            for d in ds:
+                sources[d].append(t)
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            ranks_per_node=rpn,
+            target_ranks=tuple(targets),
+            drafter_ranks=tuple(drafters),
+            feeds={t: tuple(sorted(ds)) for t, ds in feeds.items()},
+            sources={d: tuple(sorted(ts)) for d, ts in sources.items()},
+        )
+
+    # ---------------------------------------------------------------- groups (collective)
+    def init_groups(self, backend: str, timeout=None) -> "Topology":
+        """Build every group on every rank in one fixed order; call once after init_process_group."""
+        kw = {"timeout": timeout} if timeout is not None else {}
+        self.target_group = dist.new_group(list(self.target_ranks), backend=backend, **kw)
+        self.drafter_group = dist.new_group(list(self.drafter_ranks), backend=backend, **kw)
+        self.control_group = dist.new_group(list(range(self.world_size)), backend="gloo", **kw)
+        self.drafter_cpu_group = dist.new_group(list(self.drafter_ranks), backend="gloo", **kw)
+        return self
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def role(self) -> str:
+        return TARGET if self.rank in self.target_ranks else DRAFTER
+
+    @property
+    def role_rank(self) -> int:
+        """Index of this rank among the ranks of its role."""
+        ranks = self.target_ranks if self.role == TARGET else self.drafter_ranks
+        return ranks.index(self.rank)
+
+    @property
+    def role_size(self) -> int:
+        return len(self.target_ranks) if self.role == TARGET else len(self.drafter_ranks)
+
+    @property
+    def is_role_leader(self) -> bool:
+        return self.role_rank == 0
+
+    @property
+    def role_group(self):
+        return self.target_group if self.role == TARGET else self.drafter_group
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node_of(a) == self.node_of(b)
+
+    def source_for_step(self, drafter: int, step: int) -> int:
+        """The target rank whose batch `drafter` consumes at drafter step `step` (round robin)."""
+        src = self.sources[drafter]
+        return src[step % len(src)]
+
+    def sends_at_step(self, target: int, step: int) -> list[int]:
+        """Drafter ranks that `target` sends one batch to for drafter step `step`, in send order."""
+        return [d for d in self.feeds[target] if self.source_for_step(d, step) == target]
+
+    def num_sends(self, target: int, num_steps: int) -> int:
+        """Batches `target` produces for drafter steps [0, num_steps)."""
+        total = 0
+        for d in self.feeds[target]:
+            src = self.sources[d]
+            i = src.index(target)
+            total += len(range(i, num_steps, len(src)))
+        return total
+
+    def describe(self) -> str:
+        pairs = ", ".join(f"{t}->{list(ds)}" for t, ds in sorted(self.feeds.items()))
+        return (
+            f"world={self.world_size} targets={list(self.target_ranks)} drafters={list(self.drafter_ranks)} "
+            f"pairs: {pairs}"
+        )

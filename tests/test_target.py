@@ -1,0 +1,78 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash_mp.batch import PackedBatch
+from dflash_mp.target import TargetWorker, block_diagonal_causal_mask, default_layer_ids, truncate
+
+
+def tiny_model(tmp_path, layers=6):
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def packed(doc_lens, seq_len, vocab=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(doc_lens)
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    ids[:n] = torch.randint(0, vocab, (n,), generator=g)
+    pos = torch.zeros(seq_len, dtype=torch.long)
+    docs = torch.full((seq_len,), -1, dtype=torch.long)
+    o = 0
+    for i, L in enumerate(doc_lens):
+        pos[o:o + L] = torch.arange(L)
+        docs[o:o + L] = i
+        o += L
+    return PackedBatch(ids, pos, docs, (docs >= 0).long(), len(doc_lens), n)
+
+
+def test_default_layer_ids_match_qwen3_8b():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    with pytest.raises(ValueError, match="num_capture=9"):
+        default_layer_ids(6, 9)
+
+
+def test_packed_forward_equals_per_document_forward(tmp_path):
+    model = tiny_model(tmp_path)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    layer_ids = [1, 2, 3]
+    truncate(model, max(layer_ids))
+    worker = TargetWorker(model, layer_ids, torch.device("cpu"))
+    pb = packed([7, 12, 5], 32)
+    hb = worker.forward(pb)
+    assert hb.hidden.shape == (32, 3 * 32)
+    o = 0
+    for L in [7, 12, 5]:
+        with torch.no_grad():
+            ref = full(input_ids=pb.input_ids[None, o:o + L], output_hidden_states=True).hidden_states
+        want = torch.cat([ref[i + 1][0] for i in layer_ids], dim=-1)  # layer i = hidden_states[i + 1]
+        torch.testing.assert_close(hb.hidden[o:o + L], want, rtol=1e-4, atol=1e-5)
+        o += L
+
+
+def test_later_layers_and_lm_head_never_run(tmp_path):
+    model = tiny_model(tmp_path)
+    calls = []
+    dec = model.get_decoder()
+    for i, layer in enumerate(dec.layers):
+        layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+    model.lm_head.register_forward_hook(lambda m, a, o: calls.append("lm_head"))
+    dec.norm.register_forward_hook(lambda m, a, o: calls.append("norm"))
+    truncate(model, 2)
+    TargetWorker(model, [0, 2], torch.device("cpu")).forward(packed([10, 6], 20))
+    assert calls == [0, 1, 2]
+    assert len(model.get_decoder().layers) == 3
+
+
+def test_block_diagonal_mask():
+    m = block_diagonal_causal_mask(torch.tensor([0, 0, 1, 1, -1]))[0, 0]
+    assert m.tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
