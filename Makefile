@@ -8,6 +8,9 @@ TORCH ?= torch==2.13.0
 install:
 	$(PYTHON) -m pip install $(TORCH)
 	$(PYTHON) -m pip install -e ".[dev]"
+	# The public DFlash inference code, to test that exports load in it. --no-deps: its metadata pins
+	# exact versions of tqdm/datasets/requests that the code itself does not need.
+	$(PYTHON) -m pip install --no-deps dflash==0.1.0
 
 test:
 	$(PYTHON) -m pytest -q

@@ -54,9 +54,9 @@ class HiddenBatch:
     def end_of_data(self) -> bool:
         return bool(self.flags & FLAG_END_OF_DATA)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "HiddenBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> "HiddenBatch":
         def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
+            return t.to(device, non_blocking=non_blocking, copy=copy)
 
         return HiddenBatch(
             hidden=move(self.hidden),

@@ -6,6 +6,7 @@ leader owns a real writer and bar.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -39,13 +40,42 @@ class NullWriter:
         pass
 
 
-def make_writer(enabled: bool, leader: bool, log_dir: str):
-    if not (enabled and leader):
-        return NullWriter()
-    from torch.utils.tensorboard import SummaryWriter
+class Writer:
+    """TensorBoard scalars plus one JSON line per logging step (`<log_dir>/scalars.jsonl`), so
+    scripts and tests read the same numbers TensorBoard shows without parsing event files."""
 
-    os.makedirs(log_dir, exist_ok=True)
-    return SummaryWriter(log_dir=log_dir)
+    def __init__(self, log_dir: str, tensorboard: bool):
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(log_dir, exist_ok=True)
+        self.tb = SummaryWriter(log_dir=log_dir) if tensorboard else NullWriter()
+        self.jsonl = open(os.path.join(log_dir, "scalars.jsonl"), "a")
+        self.row: dict[str, float] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.tb.add_scalar(tag, value, step)
+        self.row["step"] = step
+        self.row[tag] = float(value)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.tb.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self.row:
+            self.jsonl.write(json.dumps(self.row) + "\n")
+            self.jsonl.flush()
+            self.row = {}
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self.jsonl.close()
+        self.tb.close()
+
+
+def make_writer(enabled: bool, leader: bool, log_dir: str):
+    """A real writer on the role leader, a null one elsewhere."""
+    return Writer(log_dir, enabled) if leader else NullWriter()
 
 
 def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "mean") -> dict[str, float]:

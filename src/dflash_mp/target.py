@@ -26,7 +26,8 @@ class TargetConfig:
     layer_ids: list[int] | None = None  # captured layers; None = num_capture layers spread over 1..L-3
     num_capture: int = 5  # K, used when layer_ids is None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
-    attn_implementation: str = "sdpa"  # HF attention kernel; packed documents get a block-diagonal mask
+    attn_implementation: str = "auto"  # auto (flex_attention on CUDA, sdpa on CPU) | sdpa | flex_attention
+    compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
     cache_dir: str = "~/.cache/dflash_mp"  # where builtin targets are built once
 
 
@@ -102,6 +103,38 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
     return embed.to(device, dtype), head.to(device, dtype)
 
 
+def resolve_attn(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "flex_attention" if device.type == "cuda" else "sdpa"
+    if name not in ("sdpa", "flex_attention", "eager"):
+        raise ValueError(f"target.attn_implementation={name!r}: use auto, sdpa, flex_attention or eager.")
+    return name
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor):
+    """flex_attention BlockMask of the packed-document causal mask: no dense [T, T] tensor, and
+    blocks outside every document's triangle are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return (doc_ids[q] == doc_ids[kv]) & (kv <= q)
+
+    t = doc_ids.shape[0]
+    return _compiled_create_block_mask()(mask_mod, None, None, t, t, device=doc_ids.device)
+
+
+_CBM = None
+
+
+def _compiled_create_block_mask():
+    global _CBM  # one compiled builder per process, compiled lazily (no CUDA work at import)
+    if _CBM is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _CBM = torch.compile(create_block_mask, dynamic=False)
+    return _CBM
+
+
 def block_diagonal_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """[1, 1, T, T] bool: token i sees token j iff same document and j <= i (padding sees itself)."""
     t = doc_ids.shape[0]
@@ -114,14 +147,16 @@ def block_diagonal_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 class TargetWorker:
     """Runs the truncated target over packed batches and returns HiddenBatches."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device):
+    def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False):
         self.layer_ids = list(layer_ids)
         self.device = device
         self.model = model
         self.decoder = model.get_decoder()
+        self.flex = model.config._attn_implementation == "flex_attention"
         self._captured: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:
             self.decoder.layers[i].register_forward_hook(self._hook(i))
+        self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def _hook(self, i: int):
         def hook(_module, _inputs, output):
@@ -131,24 +166,28 @@ class TargetWorker:
 
     @classmethod
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
-             attn_implementation: str = "sdpa") -> "TargetWorker":
+             attn_implementation: str = "auto", compile: bool = False) -> "TargetWorker":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        attn = resolve_attn(attn_implementation, device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
         truncate(model, max(layer_ids))
         model.to(device).eval().requires_grad_(False)
-        return cls(model, layer_ids, device)
+        return cls(model, layer_ids, device, compile=compile and device.type == "cuda")
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask) -> torch.Tensor:
+        self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False)
+        hidden = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return hidden
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> HiddenBatch:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         pos = batch.position_ids.to(self.device, non_blocking=True)
         docs = batch.doc_ids.to(self.device, non_blocking=True)
-        mask = block_diagonal_causal_mask(docs)
-        self._captured.clear()
-        self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False)
-        hidden = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
-        self._captured.clear()
+        mask = doc_causal_block_mask(docs) if self.flex else block_diagonal_causal_mask(docs)
+        hidden = self._run(ids, pos, mask)
         return HiddenBatch(
             hidden=hidden,
             input_ids=ids,

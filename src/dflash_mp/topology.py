@@ -19,7 +19,10 @@ DRAFTER = "drafter"
 class TopologyConfig:
     num_target_ranks: int = 1  # ranks running the frozen target; the rest train the drafter
     backend: str = "auto"  # torch.distributed backend: auto (nccl with CUDA, else gloo) | nccl | gloo
-    timeout_s: float = 120.0  # collective/p2p timeout: a dead peer turns into an error, not a hang
+    # Process-group timeout (collectives, NCCL watchdog). 0 = auto: 120 s on CPU; 1800 s on CUDA,
+    # where a drafter's first compiled step keeps posted receives waiting for minutes. Dead peers
+    # are caught sooner by transport.timeout_s, which bounds every wait for data or credit.
+    timeout_s: float = 0.0
 
 
 def _pair(targets: list[int], drafters: list[int]) -> dict[int, list[int]]:

@@ -1,0 +1,94 @@
+"""Shared pieces of the GPU benchmarks: shape presets, realistic synthetic packed batches, timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from dflash_mp.batch import HiddenBatch
+
+# Drafter presets: DFlash drafters at the public configs' shapes.
+DRAFTERS = {
+    # Qwen3-8B target: 5 drafter layers, hidden 4096, 32/8 heads of 128, K=5 target layers.
+    "qwen3_8b": dict(hidden=4096, inter=12288, layers=5, heads=32, kv=8, head_dim=128, vocab=151936,
+                     k=5, seq_len=3072, anchors=512, block=16),
+    # A ~0.6B target (Qwen3-0.6B shapes): launch-bound, where CUDA graphs must pay.
+    "qwen3_0p6b": dict(hidden=1024, inter=3072, layers=2, heads=16, kv=8, head_dim=128, vocab=151936,
+                       k=5, seq_len=2048, anchors=512, block=16),
+    # CPU smoke test of the scripts themselves.
+    "tiny": dict(hidden=64, inter=128, layers=1, heads=4, kv=2, head_dim=16, vocab=512,
+                 k=3, seq_len=256, anchors=32, block=8),
+}
+
+QWEN3_8B_TARGET = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False)
+
+
+def doc_lengths(seq_len: int, gen: torch.Generator, lo: int = 256, hi: int = 2048) -> list[int]:
+    """Conversation lengths drawn uniformly in [lo, hi] until the row is full (last one trimmed)."""
+    out, used = [], 0
+    while used < seq_len:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        n = min(n, seq_len - used)
+        out.append(n)
+        used += n
+    return out
+
+
+def synthetic_batch(seq_len: int, hidden_dim: int, vocab: int, device, dtype, seed: int = 0,
+                    lo: int = 256, hi: int = 2048) -> HiddenBatch:
+    """A full packed row: documents of 256-2048 tokens, the first 30% of each a user turn
+    (loss 0), the rest the assistant's (loss 1); random token ids and hidden states."""
+    g = torch.Generator().manual_seed(seed)
+    lens = doc_lengths(seq_len, g, min(lo, seq_len), min(hi, seq_len))
+    ids = torch.randint(0, vocab - 16, (seq_len,), generator=g)
+    pos, docs, mask = [], [], []
+    for i, n in enumerate(lens):
+        pos.append(torch.arange(n))
+        docs.append(torch.full((n,), i))
+        m = torch.zeros(n, dtype=torch.long)
+        m[int(0.3 * n):] = 1
+        mask.append(m)
+    hidden = (torch.randn(seq_len, hidden_dim, generator=g) * 0.5).to(dtype)
+    return HiddenBatch(hidden=hidden, input_ids=ids, position_ids=torch.cat(pos), doc_ids=torch.cat(docs),
+                       loss_mask=torch.cat(mask), num_valid_tokens=seq_len).to(device)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, n: int, device) -> list[float]:
+    """Per-iteration milliseconds (CUDA events on GPU, wall clock on CPU)."""
+    out = []
+    for _ in range(n):
+        if torch.device(device).type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(1000 * (time.perf_counter() - t))
+    return out
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def write_json(obj, name: str) -> None:
+    """To $OUT when set (the GPU machine), else to bench/results/."""
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(obj, f, indent=2)

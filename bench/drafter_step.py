@@ -1,0 +1,165 @@
+"""Drafter training step at DFlash shapes: eager vs torch.compile default vs reduce-overhead
+(CUDA Graph Trees), in one run, with every real feature on (RoPE, document masks, on-device anchor
+sampling, chunked fused CE, loss masks, AdamW, grad clipping).
+
+    python bench/drafter_step.py --preset qwen3_8b --modes eager,default,reduce-overhead
+
+MFU = counted model FLOPs (dflash_mp.flops; the frozen LM head counts forward + input gradient)
+/ step time / 790 TFLOP/s (measured bf16 matmul ceiling of one H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import torch
+
+from common import DRAFTERS, median, synthetic_batch, timed, write_json
+from dflash_mp.compile_stats import counts
+from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
+from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
+
+PEAK = 790e12
+
+
+def build(p: dict, mode: str, device, chunk: int) -> DrafterTrainer:
+    torch.manual_seed(0)
+    args = DrafterArgs(hidden_size=p["hidden"], intermediate_size=p["inter"], num_layers=p["layers"],
+                       num_heads=p["heads"], num_kv_heads=p["kv"], head_dim=p["head_dim"], vocab_size=p["vocab"],
+                       target_layer_ids=list(range(1, 1 + p["k"])), block_size=p["block"],
+                       mask_token_id=p["vocab"] - 1)
+    with torch.device(device):
+        drafter = DFlashDrafter(args)
+    wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device).manual_seed(1)
+    embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
+    head = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
+    cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
+                        max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk)
+    obj = DFlashObjective(drafter, args, embed, head, cfg)
+    return DrafterTrainer(obj, TrainConfig(compile=mode, max_steps=10_000, warmup_ratio=0.0), 10_000, None, device)
+
+
+def flops_per_step(p: dict, stats: dict, steps: int) -> float:
+    s = DrafterShape(p["hidden"], p["inter"], p["layers"], p["heads"], p["kv"], p["head_dim"], p["vocab"], p["k"])
+    b = p["block"]
+    pairs = p["layers"] * (float(stats["ctx_keys"]) * b + float(stats["blocks"]) * b * b)
+    return drafter_matmul_flops(s, p["seq_len"], p["anchors"], b) + drafter_attention_flops(s, pairs) / steps
+
+
+def run_mode(p, mode, device, batches, warmup, steps, chunk) -> dict:
+    tr = build(p, mode, device, chunk)
+    i = [0]
+
+    def step():
+        tr.train_step(batches[i[0] % len(batches)])
+        i[0] += 1
+
+    warm = timed(step, warmup, device)
+    tr.stats.pop()
+    c0 = counts()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = timed(step, steps, device)
+    c1 = counts()
+    st = tr.stats.pop()
+    # Where a step's time goes: forward+backward vs optimizer (clip + AdamW + zero_grad).
+    fb, op = [], []
+    if device.type == "cuda":
+        for _ in range(5):
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            e[0].record()
+            tr.set_lr()
+            tr.forward_backward(batches[i[0] % len(batches)])
+            e[1].record()
+            tr.optimizer_step()
+            e[2].record()
+            e[2].synchronize()
+            i[0] += 1
+            fb.append(e[0].elapsed_time(e[1]))
+            op.append(e[1].elapsed_time(e[2]))
+    flops = flops_per_step(p, st, steps)
+    med = median(ms)
+    out = {
+        "mode": mode, "ms_per_step": med, "ms_min": min(ms), "samples_per_s": 1000 / med,
+        "ctx_tokens_per_s": p["seq_len"] * 1000 / med, "tflop_per_step": flops / 1e12,
+        "mfu": flops / (med / 1000) / PEAK, "warmup_ms": warm,
+        "recompiles_after_warmup": c1["graphs"] - c0["graphs"],
+        "cudagraph_records_after_warmup": c1["cudagraph_records"] - c0["cudagraph_records"],
+        "graphs_total": c1["graphs"],
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        "fwd_bwd_ms": median(fb) if fb else None, "optimizer_ms": median(op) if op else None,
+    }
+    del tr
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def loss_curve(p, mode, device, batches, n, chunk) -> list[float]:
+    tr = build(p, mode, device, chunk)
+    torch.manual_seed(123)
+    out = [_one(tr, batches[k % len(batches)]) for k in range(n)]
+    del tr
+    gc.collect()
+    return out
+
+
+def _one(tr, hb) -> float:
+    tr.set_lr()
+    loss = tr.forward_backward(hb).item()
+    tr.optimizer_step()
+    return loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
+    ap.add_argument("--modes", default="eager,default,reduce-overhead")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--loss-steps", type=int, default=0, help="compare eager and the last mode's losses")
+    ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    p = DRAFTERS[a.preset]
+    wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
+    results = {"preset": a.preset, "shape": p, "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
+    for mode in a.modes.split(","):
+        try:
+            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk)
+        except Exception as e:  # one mode failing must not lose the others' figures
+            r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
+        results["modes"].append(r)
+        print(r, flush=True)
+        write_json(results, f"drafter_{a.preset}.json")
+    if a.loss_steps:
+        modes = a.modes.split(",")
+        curves = {m: loss_curve(p, m, device, batches, a.loss_steps, a.chunk) for m in ("eager", modes[-1])}
+        e, c = curves["eager"], curves[modes[-1]]
+        rel = [abs(x - y) / abs(x) for x, y in zip(e, c)]
+        results["loss_match"] = {"mode": modes[-1], "steps": a.loss_steps, "max_rel_diff": max(rel),
+                                 "mean_rel_diff": sum(rel) / len(rel), "eager_first_last": [e[0], e[-1]],
+                                 "compiled_first_last": [c[0], c[-1]]}
+        write_json(results, f"drafter_{a.preset}.json")
+    print(f"\n{a.preset} on {results['device']} (torch {torch.__version__})")
+    print(f"{'mode':18} {'ms/step':>9} {'samples/s':>10} {'MFU':>6} {'recomp':>7} {'cg-rec':>7} {'peakGiB':>8} {'fb ms':>7} {'opt ms':>7}")
+    for r in results["modes"]:
+        if "error" in r:
+            print(f"{r['mode']:18} ERROR {r['error'][:100]}")
+            continue
+        print(f"{r['mode']:18} {r['ms_per_step']:9.2f} {r['samples_per_s']:10.2f} {r['mfu']:6.3f} "
+              f"{r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} {r['peak_mem_gib']:8.1f} "
+              f"{r['fwd_bwd_ms'] or 0:7.1f} {r['optimizer_ms'] or 0:7.1f}")
+    if "loss_match" in results:
+        print("loss match:", results["loss_match"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Target forward at Qwen3-8B shapes (random weights from the config, bf16, packed length 3072 with
+document masks, capturing 5 layers): tokens/s and MFU per attention kernel / compile choice, and
+what stopping after the last captured layer saves against a full forward with output_hidden_states.
+
+    python bench/target_forward.py --variants full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import QWEN3_8B_TARGET, median, synthetic_batch, timed, write_json
+from dflash_mp.batch import PackedBatch
+from dflash_mp.compile_stats import counts
+from dflash_mp.flops import causal_pairs_packed, target_forward_flops
+from dflash_mp.target import TargetWorker, default_layer_ids, doc_causal_block_mask, truncate
+
+PEAK = 790e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled")
+    ap.add_argument("--seq-len", type=int, default=3072)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    c = dict(QWEN3_8B_TARGET)
+    if a.tiny:
+        c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**c), dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    layer_ids = default_layer_ids(c["num_hidden_layers"], 5 if not a.tiny else 3)
+    hb = synthetic_batch(a.seq_len, 8, c["vocab_size"], "cpu", dtype, seed=0)
+    pb = PackedBatch(hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, int(hb.doc_ids.max()) + 1, a.seq_len)
+    lens = torch.bincount(pb.doc_ids).tolist()
+    pairs = causal_pairs_packed(lens)
+    hd = c["head_dim"]
+
+    def flops(layers: int, head: bool) -> float:
+        f = target_forward_flops(c["hidden_size"], c["intermediate_size"], layers, c["num_attention_heads"],
+                                 c["num_key_value_heads"], hd, a.seq_len, pairs)
+        return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
+
+    res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": []}
+    ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
+    variants = a.variants.split(",")
+    truncated = False
+    for v in variants:
+        try:
+            if v.startswith("full"):
+                assert not truncated, "full-* variants must come before trunc-* ones"
+                model.config._attn_implementation = "flex_attention"
+                mask = doc_causal_block_mask(docs)
+
+                @torch.inference_mode()
+                def fn():
+                    out = model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask,
+                                output_hidden_states=True, use_cache=False)
+                    return torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+
+                f = flops(c["num_hidden_layers"], True)
+            else:
+                if not truncated:
+                    truncate(model, max(layer_ids))
+                    truncated = True
+                attn = "sdpa" if "sdpa" in v else "flex_attention"
+                model.config._attn_implementation = attn
+                worker = TargetWorker(model, layer_ids, device, compile=v.endswith("compiled"))
+                fn = lambda: worker.forward(pb)  # noqa: E731
+                f = flops(max(layer_ids) + 1, False)
+            warm = timed(fn, 3, device)
+            c0 = counts()
+            ms = timed(fn, a.steps, device)
+            c1 = counts()
+            med = median(ms)
+            r = {"variant": v, "ms": med, "tokens_per_s": a.seq_len * 1000 / med, "tflop": f / 1e12,
+                 "mfu": f / (med / 1000) / PEAK, "warmup_ms": warm, "recompiles": c1["graphs"] - c0["graphs"]}
+        except Exception as e:
+            r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
+        res["variants"].append(r)
+        print(r, flush=True)
+        write_json(res, "target_qwen3_8b.json" if not a.tiny else "target_tiny.json")
+    print(f"\ntarget forward, T={a.seq_len}, docs {lens}, layers {layer_ids} on {res['device']}")
+    print(f"{'variant':24} {'ms':>8} {'tok/s':>10} {'TFLOP':>7} {'MFU':>6} {'recomp':>6}")
+    for r in res["variants"]:
+        if "error" in r:
+            print(f"{r['variant']:24} ERROR {r['error'][:120]}")
+        else:
+            print(f"{r['variant']:24} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['tflop']:7.2f} {r['mfu']:6.3f} "
+                  f"{r['recompiles']:6d}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

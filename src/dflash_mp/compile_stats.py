@@ -1,0 +1,34 @@
+"""Compile and CUDA-graph counters, so "zero recompiles after warm-up" is measured, not assumed."""
+
+from __future__ import annotations
+
+_RECORDS = [0]
+_INSTALLED = [False]
+
+
+def _install() -> None:
+    """Count CUDA graph recordings by wrapping CUDAGraph Trees' node constructor (one node is
+    created per recording). Private API: if it moves, recordings read -1 rather than failing."""
+    if _INSTALLED[0]:
+        return
+    _INSTALLED[0] = True
+    try:
+        from torch._inductor import cudagraph_trees as cgt
+
+        init = cgt.CUDAGraphNode.__init__
+
+        def counting_init(self, *args, **kwargs):
+            _RECORDS[0] += 1
+            init(self, *args, **kwargs)
+
+        cgt.CUDAGraphNode.__init__ = counting_init
+    except (ImportError, AttributeError):
+        _RECORDS[0] = -1
+
+
+def counts() -> dict[str, int]:
+    """{"graphs": Dynamo graphs compiled so far, "cudagraph_records": CUDA graphs recorded so far}."""
+    from torch._dynamo.utils import counters
+
+    _install()
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "cudagraph_records": _RECORDS[0]}

@@ -1,0 +1,358 @@
+"""Chat conversations -> (input_ids, loss_mask) with the target tokenizer's own chat template.
+
+The loss mask is found in character space: render the whole conversation once, locate each assistant
+turn in the rendered text, then map characters to tokens with the fast tokenizer's offsets. Rendering
+prefixes instead breaks on templates that rewrite earlier turns (Qwen3 drops `<think>` blocks of
+assistant turns before the last user message), so a prefix render is not a prefix of the full one.
+
+Bad rows raise `BadRow(reason)`; `tokenize_dataset` counts them by reason and drops them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import datasets
+import jinja2
+from datasets.fingerprint import Hasher
+
+from dflash_mp.demo import BUILTIN_DATA, demo_data_path
+
+if TYPE_CHECKING:
+    from dflash_mp.data.stream import DataConfig
+
+log = logging.getLogger(__name__)
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# Canonical roles, plus the ShareGPT spellings normalised onto them.
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "tool": "tool"}
+# Column of the tolerant json reader: one raw JSON document per row, parsed (and judged) per row.
+RAW_COLUMN = "_raw_json"
+TOKEN_FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    "skip_reason": datasets.Value("string"),
+})
+# datasets fingerprints a callable object by its state, not its class's code: without this, a
+# cached tokenisation would survive a change to this file.
+with open(__file__, "rb") as _f:
+    _SOURCE_HASH = hashlib.sha256(_f.read()).hexdigest()
+
+
+# Every reason a row can be skipped for (the keys of tokenize_dataset's Counter).
+SKIP_REASONS = (
+    "invalid_utf8", "invalid_json", "row_not_object", "missing_field",  # the row itself
+    "not_a_list", "empty", "message_not_dict", "missing_role", "unknown_role", "content_not_string",
+    "invalid_unicode", "no_assistant",  # its messages
+    "template_error", "assistant_not_rendered", "no_supervised_tokens", "token_out_of_vocab",  # tokenisation
+)
+
+
+class BadRow(Exception):
+    """A conversation that cannot be trained on; `reason` is the counter key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_files(path: str) -> tuple[list[str], str]:
+    if not os.path.exists(path):
+        raise ValueError(f"data path {path!r} does not exist; pass an existing .json/.jsonl/.parquet file "
+                         "or directory, a hub dataset id, or 'builtin:demo'")
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names
+                       if os.path.splitext(f)[1] in FORMATS)
+        if not files:
+            raise ValueError(f"data directory {path!r} holds no .json/.jsonl/.parquet files")
+    formats = {FORMATS.get(os.path.splitext(f)[1]) for f in files}
+    if None in formats:
+        raise ValueError(f"data file {path!r} has an unknown extension; use .json, .jsonl or .parquet")
+    if len(formats) > 1:
+        raise ValueError(f"data directory {path!r} mixes json and parquet files; keep one format per "
+                         "directory")
+    return files, formats.pop()
+
+
+def _read_json_tolerant(files: list[str]) -> datasets.Dataset:
+    """One raw document per row, for json files whose rows do not share one Arrow schema."""
+    docs: list[bytes] = []
+    for name in files:
+        with open(name, "rb") as f:
+            raw = f.read()
+        try:
+            whole = json.loads(raw)
+        except ValueError:  # JSON lines (or garbage): judge every line on its own
+            docs += [line for line in raw.splitlines() if line.strip()]
+            continue
+        for doc in whole if isinstance(whole, list) else [whole]:
+            docs.append(json.dumps(doc).encode())
+    return datasets.Dataset.from_dict({RAW_COLUMN: docs})
+
+
+def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
+    """The raw conversation rows named by `cfg.path` (local files, 'builtin:demo', or a hub id).
+
+    Local files form the "train" split; `cfg.split` may slice it ("train[:90%]").
+    """
+    path = cfg.path
+    local = path == BUILTIN_DATA or os.path.exists(path) or path.startswith((".", "/", "~")) \
+        or os.path.splitext(path)[1] in FORMATS
+    if not local:
+        ds = datasets.load_dataset(path, split=cfg.split)
+    else:
+        if not cfg.split.startswith("train"):
+            raise ValueError(f"data.split={cfg.split!r}: local files only have a 'train' split "
+                             "(slices such as 'train[:90%]' work)")
+        if path == BUILTIN_DATA:
+            files, fmt = [demo_data_path()], "json"
+        else:
+            files, fmt = _local_files(os.path.expanduser(path))
+        try:
+            ds = datasets.load_dataset(fmt, data_files={"train": files}, split=cfg.split)
+        except (datasets.exceptions.DatasetGenerationError, ValueError):
+            if fmt != "json":
+                raise
+            # Rows with clashing types or broken lines: fall back to judging each row separately.
+            log.warning("%s: rows do not parse as one Arrow table; reading them one by one", path)
+            ds = _read_json_tolerant(files)
+    if cfg.max_rows:
+        ds = ds.select(range(min(cfg.max_rows, len(ds))))
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation
+# ---------------------------------------------------------------------------------------------
+
+
+def normalize_messages(messages) -> list[dict[str, str]]:
+    """Validated `[{"role", "content"}]`; ShareGPT `from`/`value` mapped onto role/content.
+
+    Arrow merges row schemas, so absent keys come back as None: None counts as missing.
+    """
+    if not isinstance(messages, list):
+        raise BadRow("not_a_list")
+    if not messages:
+        raise BadRow("empty")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise BadRow("message_not_dict")
+        role = m["role"] if m.get("role") is not None else m.get("from")
+        content = m["content"] if m.get("content") is not None else m.get("value")
+        if role is None:
+            raise BadRow("missing_role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise BadRow("unknown_role")
+        if not isinstance(content, str):
+            raise BadRow("content_not_string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: the Rust tokenizer cannot take them
+            raise BadRow("invalid_unicode") from None
+        out.append({"role": ROLES[role], "content": content})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        raise BadRow("no_assistant")
+    return out
+
+
+_SPACE = re.compile(r"\s*")
+
+
+def _match_reply(text: str, start: int, full: str, answer: str, end_marker: str) -> int | None:
+    """End of the reply rendered at `start` (after whitespace), or None if it is not there.
+
+    Interpretations, in order: the reply verbatim; the reply with its reasoning re-rendered as a
+    `<think>...</think>` block; the reply without its reasoning. One only counts when the turn's
+    end marker (e.g. `<|im_end|>`) follows it, which rejects matches that run into other turns.
+    """
+    def closes_turn(end: int) -> bool:
+        return text.startswith(end_marker, _SPACE.match(text, end).end())
+
+    first = _SPACE.match(text, start).end()
+    if full and text.startswith(full, first) and closes_turn(first + len(full)):
+        return first + len(full)
+    if not answer:
+        return None
+    if text.startswith("<think>", first):
+        turn_end = text.find(end_marker, first) if end_marker else -1
+        close = text.find("</think>", first, turn_end if turn_end >= 0 else len(text))
+        pos = _SPACE.match(text, close + len("</think>")).end() if close >= 0 else -1
+        if pos >= 0 and text.startswith(answer, pos) and closes_turn(pos + len(answer)):
+            return pos + len(answer)
+    if text.startswith(answer, first) and closes_turn(first + len(answer)):
+        return first + len(answer)
+    return None
+
+
+class ChatEncoder:
+    """Tokenizes conversations with `tokenizer`'s chat template; callable as a batched `Dataset.map`."""
+
+    def __init__(self, tokenizer, vocab_limit: int | None = None, messages_field: str = "messages"):
+        if not tokenizer.is_fast:
+            raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer; the loss mask needs a fast "
+                             "tokenizer's offset mapping (load it with use_fast=True)")
+        if not tokenizer.chat_template:
+            raise ValueError("the tokenizer has no chat template; use an instruct/chat tokenizer or set "
+                             "tokenizer.chat_template")
+        self.tokenizer = tokenizer
+        self.vocab_limit = len(tokenizer) if vocab_limit is None else vocab_limit
+        self.messages_field = messages_field
+        self.header, self.end_marker = self._assistant_markers()
+        self.special_ids = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+    def _render(self, messages, add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _assistant_markers(self) -> tuple[str, str]:
+        """What the template puts before an assistant reply (e.g. '<|im_start|>assistant\\n') and
+        after it (e.g. '<|im_end|>'), read off renders of a probe conversation."""
+        probe = [{"role": "user", "content": "ping"}]
+        plain, prompted = self._render(probe), self._render(probe, add_generation_prompt=True)
+        header = prompted[len(plain):] if prompted.startswith(plain) else ""
+        # A generation prompt may open a reasoning block (DeepSeek-R1, Qwen3 with thinking off); past
+        # turns do not carry it, so the header proper ends where that block starts.
+        header = header.split("<think>")[0]
+        replied = self._render(probe + [{"role": "assistant", "content": "PONG"}])
+        return header, replied[replied.rfind("PONG") + len("PONG"):].strip()
+
+    def _assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """Character spans of the assistant replies in `text`, found turn by turn, left to right.
+
+        With a header, a span runs from the end of the header to the end of the reply, and the reply
+        must sit right after the header (whitespace aside): as given, or as rewritten by a Qwen3-style
+        template, i.e. without its `<think>` block, or with it re-rendered as `<think>...</think>`
+        before the answer (then inside the span). Anchoring, rather than searching, keeps a reply from
+        ever being matched inside a later turn. Templates without a header are searched forward.
+        """
+        spans, cursor = [], 0
+        for m in messages:
+            content = m["content"]
+            if m["role"] != "assistant":
+                key = content.strip()
+                pos = text.find(key, cursor) if key else -1
+                cursor = pos + len(key) if pos >= 0 else cursor  # templates may rewrite these; fine
+                continue
+            full, answer = content.strip(), content.split("</think>")[-1].strip()
+            if not self.header:
+                key = full if full in text[cursor:] else answer
+                pos = text.find(key, cursor) if key else -1
+                if pos < 0:
+                    if key:
+                        raise BadRow("assistant_not_rendered")
+                    continue
+                cursor = pos + len(key)
+                spans.append((pos, cursor))
+                continue
+            h = text.find(self.header, cursor)
+            if h < 0:
+                raise BadRow("assistant_not_rendered")
+            start = cursor = h + len(self.header)  # consumed even if this reply is skipped
+            end = _match_reply(text, start, full, answer, self.end_marker)
+            if end is None:
+                if answer:
+                    raise BadRow("assistant_not_rendered")
+                continue  # only reasoning, which the template dropped: nothing to supervise
+            cursor = end
+            spans.append((start, end))
+        return spans
+
+    def encode_messages(self, messages) -> tuple[list[int], list[int]]:
+        messages = normalize_messages(messages)
+        try:
+            text = self._render(messages)
+        except (jinja2.TemplateError, TypeError, ValueError):  # e.g. "roles must alternate"
+            raise BadRow("template_error") from None
+        spans = self._assistant_spans(messages, text)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        starts = [s for s, _ in offsets]
+        mask = [0] * len(ids)
+        for s, e in spans:
+            lo, hi = bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)
+            # The end-of-turn token is what makes the model stop: supervise it (and any whitespace
+            # the template put between the reply and it), not the newline that follows.
+            j = hi
+            while j < len(ids) and ids[j] not in self.special_ids and not text[slice(*offsets[j])].strip():
+                j += 1
+            if j < len(ids) and ids[j] in self.special_ids:
+                hi = j + 1
+            mask[lo:hi] = [1] * (hi - lo)
+        if not any(mask):
+            raise BadRow("no_supervised_tokens")
+        if max(ids) >= self.vocab_limit:
+            raise BadRow("token_out_of_vocab")
+        return ids, mask
+
+    def encode_row(self, row: dict) -> tuple[list[int], list[int]]:
+        if RAW_COLUMN in row:
+            try:
+                row = json.loads(row[RAW_COLUMN].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise BadRow("invalid_utf8") from None
+            except ValueError:
+                raise BadRow("invalid_json") from None
+            if not isinstance(row, dict):
+                raise BadRow("row_not_object")
+        for field in (self.messages_field, "conversations"):
+            if row.get(field) is not None:
+                return self.encode_messages(row[field])
+        raise BadRow("missing_field")
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "skip_reason": []}
+        for i in range(len(next(iter(batch.values())))):
+            try:
+                ids, mask = self.encode_row({k: v[i] for k, v in batch.items()})
+                reason = ""
+            except BadRow as bad:
+                ids, mask, reason = [], [], bad.reason
+            out["input_ids"].append(ids)
+            out["loss_mask"].append(mask)
+            out["skip_reason"].append(reason)
+        return out
+
+
+def tokenize_conversation(tokenizer, messages, vocab_limit: int | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation; raises `BadRow`. Builds a `ChatEncoder` per call:
+    use one `ChatEncoder` for many conversations."""
+    return ChatEncoder(tokenizer, vocab_limit).encode_messages(messages)
+
+
+def _kept(reasons: list[str]) -> list[bool]:
+    return [not r for r in reasons]
+
+
+def tokenize_dataset(ds: datasets.Dataset, tokenizer, cfg: "DataConfig",
+                     vocab_limit: int | None = None) -> tuple[datasets.Dataset, Counter]:
+    """Tokenized rows (`input_ids`, `loss_mask`) and a Counter of skipped rows by reason.
+
+    `vocab_limit` is the number of embedding rows of the target (default: `len(tokenizer)`).
+    """
+    encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field)
+    num_proc = cfg.num_proc if cfg.num_proc > 1 else None
+    fingerprint = Hasher.hash([ds._fingerprint, _SOURCE_HASH, encoder])
+    out = ds.map(encoder, batched=True, batch_size=256, remove_columns=ds.column_names,
+                 features=TOKEN_FEATURES, num_proc=num_proc, new_fingerprint=fingerprint, desc="tokenize")
+    skipped = Counter(r for r in out["skip_reason"] if r)
+    if skipped:
+        out = out.filter(_kept, batched=True, input_columns=["skip_reason"])
+    return out.remove_columns("skip_reason"), skipped

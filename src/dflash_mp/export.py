@@ -1,0 +1,173 @@
+"""Export a trained drafter in the layout the public DFlash inference code loads.
+
+The directory holds `config.json` (a Qwen3 config plus the DFlash fields, `architectures:
+["DFlashDraftModel"]`) and `model.safetensors` with the drafter's own tensors under their public
+names: no embedding, no LM head (inference takes both from the target). It is written into a
+temporary sibling directory and renamed into place, so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_mp.model.drafter import DFlashDrafter, DrafterArgs
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None) -> dict:
+    """The `config.json` dict for `args`, checked against the target's config when given."""
+    if target_config is not None:
+        for key in ("hidden_size", "vocab_size"):
+            theirs = target_config.get(key)
+            if theirs is not None and theirs != getattr(args, key):
+                raise ValueError(
+                    f"drafter {key}={getattr(args, key)} differs from the target's {key}={theirs}; the "
+                    "drafter reuses the target's embedding and LM head, so build it with the target's value"
+                )
+    # Public configs use `num_target_layers` for the TARGET's depth (their fallback derives layer
+    # ids from it), not for the number of captured layers. Without the target config, the deepest
+    # captured layer bounds it from below.
+    if target_config is not None and "num_hidden_layers" in target_config:
+        target_depth = int(target_config["num_hidden_layers"])
+    else:
+        target_depth = max(args.target_layer_ids) + 1
+    layer_types = args.resolved_layer_types
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "max_position_embeddings": args.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": args.block_size,
+        "num_target_layers": target_depth,
+        "layer_types": layer_types,
+        # Qwen3Config drops sliding_window unless use_sliding_window is set.
+        "use_sliding_window": args.has_sliding,
+        "sliding_window": args.sliding_window,
+        "max_window_layers": args.num_layers,
+        "dflash_config": {
+            "target_layer_ids": list(args.target_layer_ids),
+            "mask_token_id": args.mask_token_id,
+        },
+    }
+
+
+def rope_from_config(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of an HF config dict, whether RoPE lives in `rope_theta` /
+    `rope_scaling` (transformers 4) or in `rope_parameters` (transformers 5)."""
+    rope_scaling = config.get("rope_scaling")
+    rope_theta = config.get("rope_theta")
+    params = config.get("rope_parameters")
+    if params:
+        rope_theta = params.get("rope_theta", rope_theta)
+        if params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return (rope_theta if rope_theta is not None else 1e6), rope_scaling
+
+
+def args_from_config(config: dict) -> DrafterArgs:
+    """Inverse of `drafter_config` (also reads exports whose rope lives in `rope_parameters`)."""
+    dflash = config.get("dflash_config", {})
+    rope_theta, rope_scaling = rope_from_config(config)
+    sliding = config.get("use_sliding_window", True)
+    return DrafterArgs(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+        head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
+        vocab_size=config["vocab_size"],
+        target_layer_ids=list(dflash.get("target_layer_ids", config.get("target_layer_ids", []))),
+        mask_token_id=dflash.get("mask_token_id", config.get("mask_token_id")),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 40960),
+        block_size=dflash.get("block_size", config.get("block_size", 16)),
+        layer_types=config.get("layer_types"),
+        sliding_window=config.get("sliding_window") if sliding else None,
+    )
+
+
+def _write_synced(path: Path, write) -> None:
+    write(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    args: DrafterArgs,
+    out_dir: str | os.PathLike,
+    target_config: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
+
+    An existing `out_dir` is replaced as a whole. Returns the final path.
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    config = drafter_config(args, dtype, target_config)
+    # Unwrapped tensors only: `.contiguous().clone()` also breaks any storage sharing, which
+    # safetensors refuses to serialise.
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in drafter.state_dict().items()}
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        _write_synced(tmp / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        if out_dir.exists():
+            # A directory cannot be replaced atomically; move the old one aside first so the new
+            # one appears in a single rename, then drop the old one.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / "x")
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def load_exported(
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[DFlashDrafter, DrafterArgs]:
+    """Load an export back into a `DFlashDrafter` (in the stored dtype unless `dtype` is given)."""
+    path = Path(path)
+    config = json.loads((path / CONFIG_NAME).read_text())
+    args = args_from_config(config)
+    state = load_file(str(path / WEIGHTS_NAME), device=str(device))
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    drafter = DFlashDrafter(args).to(device=device, dtype=dtype)
+    drafter.load_state_dict(state, strict=True)
+    return drafter, args

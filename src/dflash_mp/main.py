@@ -1,0 +1,141 @@
+"""Entry point for every rank: `torchrun --nproc-per-node N -m dflash_mp.main [hydra overrides]`.
+
+Compose config -> validate (before any process group or model) -> init distributed -> build the
+topology's groups -> run this rank's role -> always tear down.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .config import CONF_DIR, JobConfig, register, to_job
+from .topology import Topology
+
+log = logging.getLogger("dflash_mp")
+
+
+def setup_logging(rank: int, role: str) -> None:
+    fmt = f"[%(asctime)s {role}{rank} %(levelname)s %(name)s] %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def resolve_backend(name: str, device: torch.device, local_world: int) -> str:
+    """nccl when every rank owns a GPU; gloo on CPU and when ranks share GPUs (NCCL cannot pair
+    two ranks on one device: such runs move hidden states over the shm ring)."""
+    shared = device.type == "cuda" and local_world > torch.cuda.device_count()
+    if name == "auto":
+        if shared:
+            log.info("%d ranks share %d GPU(s): gloo process groups, shm transport",
+                     local_world, torch.cuda.device_count())
+        return "nccl" if device.type == "cuda" and not shared else "gloo"
+    if name == "nccl" and shared:
+        raise ValueError(f"topology.backend=nccl with {local_world} ranks on {torch.cuda.device_count()} GPU(s): "
+                         "NCCL cannot pair two ranks on one device; use topology.backend=auto.")
+    return name
+
+
+def validate(job: JobConfig, target_config: dict, tokenizer) -> tuple[list[int], int]:
+    """Cross-check drafter, data and target configs; returns (layer_ids, mask_token_id)."""
+    from .target import default_layer_ids
+    from .trainer import build_drafter_args
+
+    num_layers = target_config["num_hidden_layers"]
+    layer_ids = list(job.target.layer_ids) if job.target.layer_ids else default_layer_ids(num_layers, job.target.num_capture)
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad or len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"target.layer_ids={layer_ids}: ids must be distinct and in 0..{num_layers - 1} "
+                         f"for a target with {num_layers} layers.")
+    layer_ids = sorted(layer_ids)
+    vocab = target_config["vocab_size"]
+    mask = job.drafter.mask_token_id
+    if mask is None:
+        mask = len(tokenizer)
+        if mask >= vocab:
+            raise ValueError(f"the target's embedding has no spare row past its tokenizer (len {len(tokenizer)}, "
+                             f"vocab_size {vocab}): set drafter.mask_token_id to an id the data never uses.")
+    elif not 0 <= mask < vocab:
+        raise ValueError(f"drafter.mask_token_id={mask} is outside the target vocabulary 0..{vocab - 1}.")
+    if job.data.seq_len < 2 * job.drafter.block_size:
+        raise ValueError(f"data.seq_len={job.data.seq_len} is shorter than two blocks of "
+                         f"drafter.block_size={job.drafter.block_size}: raise seq_len.")
+    if job.drafter.num_anchors < 1:
+        raise ValueError(f"drafter.num_anchors={job.drafter.num_anchors}: need at least 1.")
+    build_drafter_args(job.drafter, target_config, layer_ids, mask)  # raises on inconsistent shapes
+    return layer_ids, mask
+
+
+def prepare(job: JobConfig):
+    """Resolve and validate the target (config and tokenizer only, no weights)."""
+    from transformers import AutoTokenizer
+
+    from .target import load_target_config, resolve_path
+
+    target_path = resolve_path(job.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target_config = load_target_config(target_path)
+    layer_ids, mask_id = validate(job, target_config, tokenizer)
+    return target_path, tokenizer, target_config, layer_ids, mask_id
+
+
+def run(job: JobConfig, raw: DictConfig | None = None) -> None:
+    from .roles import RunContext, run_drafter, run_target
+    from .target import resolve_dtype
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    topo = Topology.plan(job.topology.num_target_ranks, rank, world, local_world)
+    setup_logging(rank, "T" if topo.role == "target" else "D")
+    device = pick_device(local_rank)
+    backend = resolve_backend(job.topology.backend, device, local_world)
+
+    target_path, tokenizer, target_config, layer_ids, mask_id = prepare(job)
+    dtype = resolve_dtype(job.target.dtype, device)
+
+    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        topo.init_groups(backend, timeout)
+        if rank == 0:
+            log.info("topology: %s; backend %s; layers %s; mask token %d", topo.describe(), backend, layer_ids, mask_id)
+            os.makedirs(job.run_dir, exist_ok=True)
+            if raw is not None:
+                with open(os.path.join(job.run_dir, "config.yaml"), "w") as f:
+                    f.write(OmegaConf.to_yaml(raw, resolve=True))
+        ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype)
+        (run_target if topo.role == "target" else run_drafter)(ctx)
+    finally:
+        dist.destroy_process_group()
+
+
+register()
+
+
+@record
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(to_job(cfg), cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Training-time attention for DFlash blocks: one `mask_mod`, two backends.
+
+Layout of one packed row: queries are the `A*B` block tokens (query `i*B + k` is slot `k` of block
+`i`); keys are the `T` context positions followed by the same `A*B` block tokens. The same
+`mask_mod` drives both backends, so the dense path (CPU, and the reference in tests) and the flex
+path (CUDA) cannot drift apart:
+
+- `dense`: `create_mask` -> boolean `[1, 1, Q, KV]` -> `scaled_dot_product_attention`.
+- `flex`: `create_block_mask` -> `BlockMask` -> `flex_attention`, compiled once per process.
+
+The `mask_mod` closes over tensors and per-run ints only (`T`, `B`, the window). A per-step Python
+int in the closure would become a Dynamo guard and recompile every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+BACKENDS = ("auto", "dense", "flex")
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_mask_mod(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    doc_ids: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    window: int | None,
+) -> MaskMod:
+    """Visibility of key `kv_idx` to block query `q_idx` (see module docstring for the layout).
+
+    Context key p is visible to slot k of block i (anchor a) iff p is in a's document, p < a
+    (the anchor's own hidden state does not exist yet at inference), and, for sliding layers,
+    a + k - p < window. Block keys are visible only within the same block: all of them on full
+    layers, slots j with j <= k and k - j < window on sliding layers. Invalid anchors see their
+    own block and no context, so no softmax row is empty.
+    """
+    T, B = seq_len, block_size
+    # Folding validity into the anchor's doc id (-2 never equals a real or padding doc id) keeps
+    # one fewer tensor in the closure and one fewer load in the flex kernel.
+    anchor_doc = torch.where(anchor_valid, doc_ids[anchors], torch.full_like(anchors, -2))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // B
+        slot = q_idx % B
+        anchor = anchors[blk]
+        is_ctx = kv_idx < T
+        # Clamp so the gather stays in range for block keys; `is_ctx` discards those lanes.
+        p = kv_idx.clamp(max=T - 1)
+        doc_p = doc_ids[p]
+        ctx_ok = is_ctx & (doc_p == anchor_doc[blk]) & (doc_p >= 0) & (p < anchor)
+        # No clamp here: for context keys j < 0 and floor division gives a negative block, which
+        # never equals `blk` (inductor's CPU codegen also fails on `clamp(...) // B`).
+        j = kv_idx - T
+        blk_ok = (~is_ctx) & (j // B == blk)
+        if window is not None:
+            ctx_ok = ctx_ok & (anchor + slot - p < window)
+            # Causal inside the block; the window also applies here, as at inference (it only
+            # bites when window < B).
+            slot_j = j % B
+            blk_ok = blk_ok & (slot_j <= slot) & (slot - slot_j < window)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """`auto` picks flex on CUDA and dense elsewhere (flex has no CPU backward)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; use one of {BACKENDS}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "dense"
+    return backend
+
+
+# Compiled once per process, created on first use so importing this module does no CUDA work.
+_compiled: dict[str, Callable] = {}
+
+
+def _compiled_fn(name: str, fn: Callable) -> Callable:
+    # Inside an outer torch.compile region Dynamo traces the raw function (flex_attention is a
+    # higher-order op it understands); a nested compiled wrapper would only add a frame to trace.
+    if torch.compiler.is_compiling():
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
+
+
+@dataclass
+class BlockAttention:
+    """Per-step masks for every layer kind in the drafter, built once and shared by all layers."""
+
+    backend: str  # "dense" or "flex" (resolved, never "auto")
+    full: torch.Tensor | BlockMask | None  # mask for full-attention layers, None if there are none
+    sliding: torch.Tensor | BlockMask | None  # mask for sliding-window layers, None if none
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool) -> torch.Tensor:
+        """q `[1, Hq, Q, D]`, k/v `[1, Hkv, KV, D]` -> `[1, Hq, Q, D]`."""
+        mask = self.sliding if sliding else self.full
+        assert mask is not None, "no mask was built for this layer kind"
+        gqa = q.shape[1] != k.shape[1]
+        if self.backend == "dense":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        # The eager flex path is a slow math fallback; compiled is the only sensible CUDA path.
+        fn = _compiled_fn("flex_attention", flex_attention) if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def build_block_attention(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    doc_ids: torch.Tensor,
+    block_size: int,
+    *,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    backend: str = "auto",
+    flex_block_size: int = 128,
+) -> BlockAttention:
+    """Build the masks a step needs: one per layer kind present in `layer_types`."""
+    device = doc_ids.device
+    backend = resolve_backend(backend, device)
+    kinds = set(layer_types) if layer_types else {FULL_ATTENTION}
+    T = doc_ids.shape[0]
+    q_len = anchors.shape[0] * block_size
+    kv_len = T + q_len
+
+    def build(window: int | None):
+        mask_mod = make_mask_mod(anchors, anchor_valid, doc_ids, T, block_size, window)
+        if backend == "dense":
+            return create_mask(mask_mod, 1, 1, q_len, kv_len, device)
+        make = create_block_mask
+        if device.type == "cuda":
+            make = _compiled_fn("create_block_mask", create_block_mask)
+        return make(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=flex_block_size)
+
+    if SLIDING_ATTENTION in kinds and sliding_window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")
+    full = build(None) if FULL_ATTENTION in kinds else None
+    sliding = build(sliding_window) if SLIDING_ATTENTION in kinds else None
+    return BlockAttention(backend=backend, full=full, sliding=sliding)

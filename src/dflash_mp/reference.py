@@ -1,0 +1,78 @@
+"""A one-process reference of a torchrun job: the same batches, seeds and optimizer steps, with
+the target and every drafter replica in one process and no communication.
+
+The process split must change nothing: per-step losses and final drafter weights of
+`torchrun --nproc-per-node W` (gloo, fp32) equal this reference within float rounding.
+`python -m dflash_mp.reference --world-size 3 train.max_steps=8` prints the per-step losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .config import JobConfig, compose
+from .topology import Topology
+
+
+def reference_run(job: JobConfig, world_size: int) -> dict:
+    from .data import build_stream
+    from .main import prepare
+    from .model import DFlashDrafter
+    from .target import TargetWorker, load_target_head
+    from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
+
+    device, dtype = torch.device("cpu"), torch.float32
+    topo = Topology.plan(job.topology.num_target_ranks, 0, world_size)
+    path, tokenizer, tcfg, layer_ids, mask_id = prepare(job)
+    streams = {t: build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"])
+               for i, t in enumerate(topo.target_ranks)}
+    tc = job.train
+    total = sum(s.batches_per_epoch(0) for s in streams.values())
+    num_steps = tc.max_steps if tc.max_steps > 0 else int(tc.epochs * total // len(topo.drafter_ranks))
+    worker = TargetWorker.load(path, layer_ids, device, dtype, job.target.attn_implementation)
+
+    args = build_drafter_args(job.drafter, tcfg, layer_ids, mask_id)
+    torch.manual_seed(tc.seed)
+    drafter = DFlashDrafter(args)
+    embed, head = load_target_head(path, dtype, device)
+    trainer = DrafterTrainer(DFlashObjective(drafter, args, embed, head, job.drafter), tc, num_steps, None, device)
+    rng = {}
+    for i, d in enumerate(topo.drafter_ranks):  # each drafter rank's own anchor RNG stream
+        torch.manual_seed(tc.seed + 1 + i)
+        rng[d] = torch.get_rng_state()
+
+    its = {t: iter(s) for t, s in streams.items()}
+    num_drafters = len(topo.drafter_ranks)
+    losses = []
+    for step in range(num_steps):
+        batches = {}
+        for t in topo.target_ranks:
+            for d in topo.sends_at_step(t, step):
+                # Clone outside inference mode, as a receive into a normal buffer would.
+                batches[d] = worker.forward(next(its[t])).to("cpu", copy=True)
+        trainer.set_lr()
+        step_losses = []
+        for d in topo.drafter_ranks:
+            torch.set_rng_state(rng[d])
+            step_losses.append(trainer.forward_backward(batches[d], grad_scale=1.0 / num_drafters).item())
+            rng[d] = torch.get_rng_state()
+        trainer.optimizer_step()
+        losses.append(sum(step_losses) / num_drafters)
+    return {"losses": losses, "state": {k: v.clone() for k, v in drafter.state_dict().items()},
+            "num_steps": num_steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    out = reference_run(compose(a.overrides), a.world_size)
+    print(json.dumps({"losses": out["losses"]}))
+
+
+if __name__ == "__main__":
+    main()

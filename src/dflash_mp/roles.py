@@ -1,0 +1,276 @@
+"""The two role loops. Every rank runs exactly one of them; the topology decides which.
+
+Step plan: all ranks agree on `num_steps` drafter steps before the first batch moves. At drafter step
+`s` drafter `d` consumes one batch from `topology.source_for_step(d, s)`; each target produces,
+in that same order, exactly the batches its drafters will consume. A target's data cursor is
+therefore a pure function of the drafter step, so only drafters need checkpoint state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import ExitStack
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .config import JobConfig
+from .flops import DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops, target_forward_flops
+from .compile_stats import counts as compile_counts
+from .metrics import Progress, make_writer, reduce_scalars
+from .topology import Topology
+from .transport import SlotSpec, build_transport
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 3  # steps after which the drafter must never compile again
+
+
+class RunContext:
+    """What both roles need, resolved once in main before any model loads."""
+
+    def __init__(self, job: JobConfig, topo: Topology, device: torch.device, target_path: str,
+                 target_config: dict, layer_ids: list[int], mask_token_id: int, tokenizer, dtype: torch.dtype):
+        self.job, self.topo, self.device = job, topo, device
+        self.target_path, self.target_config = target_path, target_config
+        self.layer_ids, self.mask_token_id = layer_ids, mask_token_id
+        self.tokenizer, self.dtype = tokenizer, dtype
+        self.ckpt_root = job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints")
+        self.graphs_after_warmup = 0
+
+    @property
+    def slot_spec(self) -> SlotSpec:
+        width = len(self.layer_ids) * self.target_config["hidden_size"]
+        return SlotSpec(seq_len=self.job.data.seq_len, hidden_dim=width, hidden_dtype=self.dtype,
+                        device=self.device)
+
+
+def agree_num_steps(ctx: RunContext, batches_per_epoch: int) -> int:
+    """All ranks: the number of drafter steps, from max_steps or epochs over all target shards."""
+    topo = ctx.topo
+    counts: list[int] = [0] * topo.world_size
+    dist.all_gather_object(counts, batches_per_epoch, group=topo.control_group)
+    total = sum(counts[r] for r in topo.target_ranks)
+    tc = ctx.job.train
+    steps = tc.max_steps if tc.max_steps > 0 else int(tc.epochs * total // len(topo.drafter_ranks))
+    if steps < 1:
+        raise ValueError(
+            f"the data yields {total} packed batches per epoch for {len(topo.drafter_ranks)} drafter ranks: "
+            "no step to run; add data, lower data.seq_len, or set train.max_steps."
+        )
+    return steps
+
+
+def resume_step(ctx: RunContext) -> tuple[int, str | None]:
+    path = ckpt.resolve_resume(ctx.job.checkpoint.resume, ctx.ckpt_root)
+    if path is None:
+        return 0, None
+    return int(ckpt.read_manifest(path)["step"]), path
+
+
+# ----------------------------------------------------------------------------------------------- target
+def run_target(ctx: RunContext) -> None:
+    from .data import build_stream
+    from .target import TargetWorker
+
+    job, topo = ctx.job, ctx.topo
+    stream = build_stream(job.data, ctx.tokenizer, topo.role_rank, topo.role_size,
+                          vocab_limit=ctx.target_config["vocab_size"])
+    num_steps = agree_num_steps(ctx, stream.batches_per_epoch(0))
+    start, _ = resume_step(ctx)
+    seek(stream, topo.num_sends(topo.rank, start))
+    worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
+                               job.target.attn_implementation, job.target.compile)
+    tc = ctx.target_config
+    fwd_flops = lambda pb: target_forward_flops(  # noqa: E731
+        tc["hidden_size"], tc["intermediate_size"], max(ctx.layer_ids) + 1, tc["num_attention_heads"],
+        tc.get("num_key_value_heads") or tc["num_attention_heads"],
+        tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"], pb.seq_len,
+        causal_pairs_packed(torch.bincount(pb.doc_ids[pb.doc_ids >= 0]).tolist()))
+    with ExitStack() as stack:
+        sender = build_transport(job.transport, topo, ctx.slot_spec)
+        stack.callback(sender.close)
+        writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"))
+        stack.callback(writer.close)
+        it = iter(stream)
+        t0, tokens, flops = time.perf_counter(), 0, 0.0
+        for step in range(start, num_steps):
+            for dst in topo.sends_at_step(topo.rank, step):
+                pb = next(it)
+                hb = worker.forward(pb)
+                sender.send(dst, hb)
+                tokens += pb.num_valid_tokens
+                flops += fwd_flops(pb)
+            if (step + 1) % job.logging.log_every == 0 or step + 1 == num_steps:
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                st = sender.stats()
+                vals = reduce_scalars({"tokens_per_s": tokens / dt, "mfu": flops / dt / (job.logging.peak_tflops * 1e12),
+                                       "stall_ms": st.get("stall_ms", 0.0), "in_flight": st.get("in_flight", 0)},
+                                      topo.target_group)
+                writer.add_scalar("target/tokens_per_s", vals["tokens_per_s"] * topo.role_size, step + 1)
+                writer.add_scalar("target/mfu", vals["mfu"], step + 1)
+                writer.add_scalar("comm/stall_ms", vals["stall_ms"], step + 1)
+                writer.add_scalar("comm/in_flight", vals["in_flight"], step + 1)
+                writer.flush()
+                t0, tokens, flops = time.perf_counter(), 0, 0.0
+        sender.finish()
+        log.info("target rank %d done: %d steps; data: %s", topo.rank, num_steps, stream.stats())
+
+
+def seek(stream, num_batches: int) -> None:
+    """Position the (deterministic) stream after `num_batches` emitted batches."""
+    epoch = 0
+    while num_batches >= stream.batches_per_epoch(epoch):
+        num_batches -= stream.batches_per_epoch(epoch)
+        epoch += 1
+    stream.load_state_dict({"epoch": epoch, "batch": num_batches})
+
+
+# ---------------------------------------------------------------------------------------------- drafter
+def build_trainer(ctx: RunContext, num_steps: int):
+    from .model import DFlashDrafter
+    from .target import load_target_head
+    from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
+
+    job = ctx.job
+    args = build_drafter_args(job.drafter, ctx.target_config, ctx.layer_ids, ctx.mask_token_id)
+    torch.manual_seed(job.train.seed)  # identical init on every drafter rank
+    with torch.device(ctx.device):  # initialise on the device: no CPU pass over a billion parameters
+        drafter = DFlashDrafter(args)
+    embed, head = load_target_head(ctx.target_path, ctx.dtype, ctx.device)
+    objective = DFlashObjective(drafter, args, embed, head, job.drafter)
+    trainer = DrafterTrainer(objective, job.train, num_steps, ctx.topo.drafter_group, ctx.device)
+    # Anchor sampling differs per drafter rank, reproducibly.
+    torch.manual_seed(job.train.seed + 1 + ctx.topo.role_rank)
+    return trainer, args
+
+
+def run_drafter(ctx: RunContext) -> None:
+    from .export import export_drafter
+
+    job, topo = ctx.job, ctx.topo
+    num_steps = agree_num_steps(ctx, 0)
+    trainer, args = build_trainer(ctx, num_steps)
+    start, path = resume_step(ctx)
+    if path is not None:
+        trainer.load_state_dict(ckpt.load_file(path, "drafter.pt", map_location=ctx.device))
+        set_rng_state(ckpt.load_file(path, f"rng_rank{topo.rank}.pt"))
+        log.info("resumed from %s at step %d", path, start)
+    shape = DrafterShape(args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads,
+                         args.num_kv_heads, args.head_dim, args.vocab_size, args.num_target_layers)
+    step_flops = drafter_matmul_flops(shape, job.data.seq_len, job.drafter.num_anchors, args.block_size)
+    with ExitStack() as stack:
+        receiver = build_transport(job.transport, topo, ctx.slot_spec)
+        stack.callback(receiver.close)
+        lead = topo.is_role_leader
+        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"))
+        stack.callback(writer.close)
+        bar = Progress(job.logging.progress and lead, num_steps, start, "drafter")
+        stack.callback(bar.close)
+        if lead:
+            writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
+        t0, wait_s, last_logged = time.perf_counter(), 0.0, start
+        for step in range(start, num_steps):
+            tw = time.perf_counter()
+            hb = receiver.recv(topo.source_for_step(topo.rank, step))
+            wait_s += time.perf_counter() - tw
+            lr = trainer.train_step(hb)
+            done = step + 1
+            if done - start <= WARMUP_STEPS:  # first forward/backward compile; graphs record on the next calls
+                ctx.graphs_after_warmup = compile_counts()["graphs"]
+            if done % job.logging.log_every == 0 or done == num_steps:
+                receiver_verify(receiver)
+                vals = log_drafter(ctx, trainer, writer, done, lr, time.perf_counter() - t0, wait_s,
+                                   step_flops, shape, args.block_size)
+                bar.update(done - last_logged, {"loss": vals["loss"], "tau": vals["tau_sim"]})
+                t0, wait_s, last_logged = time.perf_counter(), 0.0, done
+            if job.checkpoint.every and done % job.checkpoint.every == 0 and done < num_steps:
+                save_checkpoint(ctx, trainer, done, num_steps)
+        for src in topo.sources[topo.rank]:
+            receiver.expect_end(src)
+        c = compile_counts()
+        log.info("compile: %d graphs, %d recompiles after warm-up, %d CUDA graph recordings (mode %s)",
+                 c["graphs"], c["graphs"] - ctx.graphs_after_warmup, c["cudagraph_records"], trainer.mode)
+        save_checkpoint(ctx, trainer, num_steps, num_steps)
+        if lead:
+            out = os.path.join(job.run_dir, "export")
+            export_drafter(trainer.objective.drafter, args, out, ctx.target_config)
+            log.info("exported drafter to %s", out)
+
+
+def receiver_verify(receiver) -> None:
+    verify = getattr(receiver, "verify", None)
+    if verify is not None:
+        verify()
+
+
+def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b) -> dict[str, float]:
+    topo = ctx.topo
+    s = trainer.stats.pop()
+    tot = reduce_scalars(s, topo.drafter_group, mode="sum")
+    n = topo.role_size
+    steps = tot["steps"] / n  # every drafter runs the same steps
+    vals = {
+        "loss": tot["loss_sum"] / max(tot["steps"], 1),
+        "grad_norm": tot["gnorm_sum"] / max(tot["steps"], 1),
+        "tau_sim": tot["tau_sum"] / max(tot["blocks"], 1),
+    }
+    writer.add_scalar("drafter/loss", vals["loss"], step)
+    writer.add_scalar("drafter/grad_norm", vals["grad_norm"], step)
+    writer.add_scalar("drafter/tau_sim", vals["tau_sim"], step)
+    writer.add_scalar("drafter/lr", lr, step)
+    for k in range(1, b):
+        writer.add_scalar(f"drafter/acc_slot_{k}", tot[f"slot_correct_{k}"] / max(tot[f"slot_count_{k}"], 1), step)
+    # Wall time is the slowest rank's, but all ranks are in lock-step through the all-reduce.
+    samples = tot["steps"]
+    vis_pairs = shape.num_layers * (tot["ctx_keys"] * b + tot["blocks"] * b * b)
+    flops = samples * step_flops + drafter_attention_flops(shape, vis_pairs)
+    writer.add_scalar("throughput/samples_per_s", samples / dt, step)
+    writer.add_scalar("throughput/tokens_per_s", samples * ctx.job.data.seq_len / dt, step)
+    writer.add_scalar("throughput/mfu", flops / n / dt / (ctx.job.logging.peak_tflops * 1e12), step)
+    writer.add_scalar("comm/wait_ms", 1000 * wait_s / max(steps, 1), step)
+    c = compile_counts()
+    writer.add_scalar("compile/graphs", c["graphs"], step)
+    writer.add_scalar("compile/cudagraph_records", c["cudagraph_records"], step)
+    writer.add_scalar("compile/recompiles", c["graphs"] - ctx.graphs_after_warmup, step)
+    if ctx.device.type == "cuda":
+        writer.add_scalar("memory/max_reserved_gib", torch.cuda.max_memory_reserved(ctx.device) / 2**30, step)
+    writer.flush()
+    return vals
+
+
+def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int) -> None:
+    topo, root = ctx.topo, ctx.ckpt_root
+    tmp = ckpt.tmp_dir(root, step)
+    os.makedirs(tmp, exist_ok=True)
+    ckpt.save_file(get_rng_state(), os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
+    if topo.is_role_leader:
+        ckpt.save_file(trainer.state_dict(), os.path.join(tmp, "drafter.pt"))
+    dist.barrier(group=topo.drafter_cpu_group)
+    if topo.is_role_leader:
+        ckpt.commit(root, step, {"num_steps": num_steps, "world_size": topo.world_size,
+                                 "target_ranks": list(topo.target_ranks)}, ctx.job.checkpoint.keep)
+
+
+def get_rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _yaml(job: JobConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(job))

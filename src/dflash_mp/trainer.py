@@ -1,0 +1,279 @@
+"""Drafter-side training: the objective (one compiled forward + loss) and the trainer loop body.
+
+`DFlashObjective` is everything from a received HiddenBatch to the weighted CE: anchor sampling on
+device, block construction, the drafter forward, the chunked fused CE. It is one module so that
+`torch.compile` sees one fixed-shape graph. `DrafterTrainer` adds backward, the data-parallel
+gradient all-reduce, clipping, AdamW with warm-up + cosine, and on-device metric accumulation;
+the host synchronises only at the logging interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import HiddenBatch
+from .model import (
+    DFlashDrafter,
+    DrafterArgs,
+    block_labels,
+    build_blocks,
+    dflash_loss,
+    sample_anchors,
+    slot_weights,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 1  # drafter decoder layers (N)
+    block_size: int = 16  # B: anchor token + B-1 mask slots
+    mask_token_id: int | None = None  # None = first embedding row past the tokenizer (must exist)
+    intermediate_size: int | None = None  # None = the target's
+    num_heads: int | None = None  # None = the target's
+    num_kv_heads: int | None = None  # None = the target's
+    head_dim: int | None = None  # None = the target's
+    layer_types: list[str] | None = None  # per layer full_attention | sliding_attention; None = all full
+    sliding_window: int | None = None  # W for sliding layers
+    num_anchors: int = 512  # A: blocks per packed batch (fixed; unused slots masked out of the loss)
+    max_anchors_per_doc: int = 512  # cap of anchors drawn from one document
+    gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8
+    loss_chunk_size: int = 2048  # rows of logits computed at once (never the full A*B x vocab)
+    attention: str = "auto"  # auto (flex on CUDA, dense sdpa on CPU) | flex | dense
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0  # drafter optimizer steps; 0 = derive from epochs
+    epochs: float = 1.0  # passes over the data when max_steps is 0
+    lr: float = 6e-4  # peak learning rate
+    warmup_ratio: float = 0.04  # fraction of steps with linear warm-up
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    seed: int = 0  # init, anchors and data order
+    compile: str = "auto"  # auto (reduce-overhead on CUDA, eager on CPU) | eager | default | reduce-overhead
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+
+
+def build_drafter_args(cfg: DrafterConfig, target: dict, layer_ids: list[int], mask_token_id: int) -> DrafterArgs:
+    """Drafter hyper-parameters: the user's, with gaps filled from the target's config."""
+    from .export import rope_from_config
+
+    heads = cfg.num_heads or target["num_attention_heads"]
+    rope_theta, rope_scaling = rope_from_config(target)
+    return DrafterArgs(
+        hidden_size=target["hidden_size"],
+        intermediate_size=cfg.intermediate_size or target["intermediate_size"],
+        num_layers=cfg.num_layers,
+        num_heads=heads,
+        num_kv_heads=cfg.num_kv_heads or target.get("num_key_value_heads") or heads,
+        head_dim=cfg.head_dim or target.get("head_dim") or target["hidden_size"] // heads,
+        vocab_size=target["vocab_size"],
+        rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=target.get("max_position_embeddings", 40960),
+        target_layer_ids=list(layer_ids),
+        block_size=cfg.block_size,
+        mask_token_id=mask_token_id,
+        layer_types=list(cfg.layer_types) if cfg.layer_types else None,
+        sliding_window=cfg.sliding_window,
+    )
+
+
+class DFlashObjective(nn.Module):
+    """HiddenBatch tensors -> (loss, per-block stats). Frozen embedding / LM head are buffers."""
+
+    def __init__(self, drafter: DFlashDrafter, args: DrafterArgs, embed: torch.Tensor, head: torch.Tensor,
+                 cfg: DrafterConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.args = args
+        self.cfg = cfg
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("head", head.detach(), persistent=False)
+        self.register_buffer("weights", slot_weights(args.block_size, cfg.gamma, device=embed.device),
+                             persistent=False)
+
+    def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
+        b = self.args.block_size
+        anchors, valid = sample_anchors(loss_mask, doc_ids, self.cfg.num_anchors, self.cfg.max_anchors_per_doc,
+                                        noise=noise)
+        labels, label_mask = block_labels(input_ids, loss_mask, doc_ids, anchors, valid, b)
+        block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, b, self.args.mask_token_id)
+        block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
+        attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention)
+        out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
+        loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size)
+        # Visible context keys per block = tokens of its document before the anchor = position_ids[a].
+        ctx_keys = (position_ids[anchors] * valid).sum()
+        return loss, correct, label_mask, ctx_keys
+
+
+def lr_at(step: int, num_steps: int, cfg: TrainConfig) -> float:
+    warm = max(1, math.ceil(cfg.warmup_ratio * num_steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, num_steps - warm)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" else "eager"
+    if mode not in ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        raise ValueError(f"train.compile={mode!r}: use auto, eager, default or reduce-overhead.")
+    return mode
+
+
+class GradAllReduce:
+    """Data-parallel gradient averaging over the drafter group through one flat buffer.
+
+    One collective per step (not one per tensor), outside any compiled region, so CUDA graphs
+    never contain communication.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group):
+        self.params = params
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self.flat = None
+
+    def __call__(self) -> None:
+        if self.size == 1:
+            return
+        grads = [p.grad for p in self.params]
+        if self.flat is None:
+            self.flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        offs = 0
+        for g in grads:
+            self.flat[offs: offs + g.numel()].copy_(g.reshape(-1))
+            offs += g.numel()
+        dist.all_reduce(self.flat, group=self.group)
+        self.flat.div_(self.size)
+        offs = 0
+        for g in grads:
+            g.copy_(self.flat[offs: offs + g.numel()].view_as(g))
+            offs += g.numel()
+
+
+class DrafterTrainer:
+    def __init__(self, objective: DFlashObjective, cfg: TrainConfig, num_steps: int, group,
+                 device: torch.device):
+        self.objective = objective
+        self.cfg = cfg
+        self.num_steps = num_steps
+        self.device = device
+        self.step = 0
+        self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
+        fused = device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                     weight_decay=cfg.weight_decay, fused=fused)
+        self.allreduce = GradAllReduce(self.params, group)
+        self.mode = resolve_compile_mode(cfg.compile, device)
+        self.fwd = objective if self.mode == "eager" else torch.compile(objective, mode=self.mode, dynamic=False)
+        prec = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+        self.autocast = prec == "bf16"
+        b = objective.args.block_size
+        self.stats = _Stats(b, device)
+
+    def train_step(self, hb: HiddenBatch) -> float:
+        """One optimizer step on this rank's batch; gradients averaged over the drafter group."""
+        lr = self.set_lr()
+        self.forward_backward(hb)
+        self.allreduce()
+        self.optimizer_step()
+        return lr
+
+    def set_lr(self) -> float:
+        lr = lr_at(self.step, self.num_steps, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def forward_backward(self, hb: HiddenBatch, grad_scale: float = 1.0) -> torch.Tensor:
+        # Anchor randomness is drawn eagerly (one tiny kernel), so every compile mode and the
+        # one-process reference see the same anchors for the same RNG state.
+        noise = torch.rand(2, hb.input_ids.shape[0], device=self.device)
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss, correct, label_mask, ctx_keys = self.fwd(
+                hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, noise)
+        (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+        self.stats.add(loss.detach(), correct, label_mask, ctx_keys, hb.num_valid_tokens)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        gnorm = (torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+                 if self.cfg.grad_clip > 0 else torch.zeros((), device=self.device))
+        self.stats.add_gnorm(gnorm.detach())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        self.step += 1
+
+    def state_dict(self) -> dict:
+        return {"drafter": self.objective.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+                "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.objective.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+
+
+class _Stats:
+    """Device-side sums over a logging interval; `pop()` is the one host sync."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.b = block_size
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)  # noqa: E731
+        self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
+        self.slot_correct, self.slot_count = z(self.b), z(self.b)
+        self.tau_sum, self.blocks = z(()), z(())
+        self.steps = 0
+        self.valid_tokens = 0
+
+    def add_gnorm(self, gnorm) -> None:
+        self.gnorm += gnorm.double()
+
+    def add(self, loss, correct, label_mask, ctx_keys, valid_tokens: int) -> None:
+        hit = correct & label_mask
+        self.loss += loss.double()
+        self.ctx_keys += ctx_keys.double()
+        self.slot_correct += hit.sum(0).double()
+        self.slot_count += label_mask.sum(0).double()
+        block_valid = label_mask[:, 1]
+        lead = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1)
+        self.tau_sum += ((1 + lead) * block_valid).sum().double()
+        self.blocks += block_valid.sum().double()
+        self.steps += 1
+        self.valid_tokens += valid_tokens
+
+    def pop(self) -> dict[str, torch.Tensor | float]:
+        """Per-rank sums, ready for a sum-reduction over the group."""
+        out: dict[str, torch.Tensor | float] = {
+            "loss_sum": self.loss, "gnorm_sum": self.gnorm, "ctx_keys": self.ctx_keys,
+            "tau_sum": self.tau_sum, "blocks": self.blocks, "steps": float(self.steps),
+            "valid_tokens": float(self.valid_tokens),
+        }
+        for k in range(1, self.b):
+            out[f"slot_correct_{k}"] = self.slot_correct[k]
+            out[f"slot_count_{k}"] = self.slot_count[k]
+        self.reset()
+        return out

@@ -1,0 +1,89 @@
+"""Hidden-state transport, target ranks -> drafter ranks: fixed-size slots, credit back-pressure.
+
+    transport = build_transport(cfg, topology, spec)   # collective: every rank, same point
+    # target                                  # drafter
+    transport.send(dst, batch)                batch = transport.recv(src)
+    transport.finish()                        transport.expect_end(src)
+    transport.close()                         transport.close()
+
+Each (target, drafter) pair gets its own channel: shared memory (`shm`) when both ranks are on one
+node, NCCL/gloo point-to-point (`p2p`) otherwise; see the two modules for the protocols.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash_mp.topology import TARGET, Topology
+from dflash_mp.transport.base import Receiver, Sender, SlotSpec
+from dflash_mp.transport.p2p import P2PRecvChannel, P2PSendChannel
+from dflash_mp.transport.shm import open_shm_channels, sweep_stale_segments
+
+__all__ = [
+    "TransportConfig", "SlotSpec", "Sender", "Receiver",
+    "build_transport", "pair_kinds", "sweep_stale_segments",
+]
+
+KINDS = ("auto", "p2p", "shm")
+
+
+@dataclass
+class TransportConfig:
+    kind: str = "auto"  # p2p | shm | auto (shm for same-node pairs when possible, else p2p)
+    depth: int = 2  # batches in flight per (target, drafter) pair (credits)
+    timeout_s: float = 120.0  # a peer silent this long is an error naming the peer, never a hang
+    shm_cuda: str = "auto"  # GPU shm slots: auto (CUDA IPC if the GPUs can peer, else pinned) | ipc | pinned
+
+
+def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int], str]:
+    """(target, drafter) -> "shm" | "p2p" for every pair of the run; pure, the same on every rank."""
+    if cfg.kind not in KINDS:
+        raise ValueError(f"transport.kind={cfg.kind!r}: choose one of {', '.join(KINDS)}")
+    if cfg.depth < 1:
+        raise ValueError(f"transport.depth={cfg.depth}: at least 1 batch must be allowed in flight")
+    kinds = {}
+    for t, ds in sorted(topology.feeds.items()):
+        for d in ds:
+            local = topology.same_node(t, d)
+            if cfg.kind == "shm" and not local:
+                raise ValueError(
+                    f"transport.kind=shm, but target rank {t} and drafter rank {d} are on different nodes "
+                    f"(ranks_per_node={topology.ranks_per_node}): use transport.kind=auto (shm where "
+                    "possible, p2p elsewhere) or transport.kind=p2p"
+                )
+            kinds[(t, d)] = "shm" if local and cfg.kind != "p2p" else "p2p"
+    return kinds
+
+
+def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec) -> Sender | Receiver:
+    """This rank's end of the transport: a Sender on target ranks, a Receiver on drafter ranks.
+
+    Collective: call it on every rank at the same point, after `topology.init_groups()` (shm setup
+    talks over `topology.control_group`) and, on CUDA, after `torch.cuda.set_device`.
+    """
+    kinds = pair_kinds(cfg, topology)
+    me = topology.rank
+    channels: dict = {}
+    try:
+        shm_pairs = [p for p, k in kinds.items() if k == "shm"]
+        if shm_pairs:
+            shm = open_shm_channels(topology, spec, cfg.depth, cfg.timeout_s, shm_pairs, cfg.shm_cuda)
+            channels.update(shm)
+        p2p_pairs = [p for p, k in kinds.items() if k == "p2p"]
+        if p2p_pairs and spec.device.type == "cuda":
+            # Batched NCCL p2p on a subset of ranks is only defined once the group's communicator
+            # exists; one tiny collective creates it on every rank now, not mid-run.
+            dist.all_reduce(torch.zeros(1, device=spec.device))
+        for t, d in p2p_pairs:
+            if me == t:
+                channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s)
+            elif me == d:
+                channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s)
+    except BaseException:
+        for ch in channels.values():
+            ch.close()
+        raise
+    return Sender(channels) if topology.role == TARGET else Receiver(channels)

@@ -1,0 +1,174 @@
+"""Export layout, round trip, and loading with the public DFlash inference code."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from dflash_mp.export import args_from_config, export_drafter, load_exported
+from dflash_mp.model import DFlashDrafter, DrafterArgs, build_blocks
+
+H, K, V, B = 32, 3, 80, 4
+MASK_ID = 79
+
+
+def tiny_args(**overrides) -> DrafterArgs:
+    kwargs = dict(
+        hidden_size=H,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        target_layer_ids=[1, 4, 6],
+        mask_token_id=MASK_ID,
+        block_size=B,
+    )
+    kwargs.update(overrides)
+    return DrafterArgs(**kwargs)
+
+
+def trained_like(args: DrafterArgs) -> DFlashDrafter:
+    """A drafter whose weights are all non-trivial (norms off 1.0), as after training."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(args)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return drafter.eval()
+
+
+def expected_keys(num_layers: int) -> set[str]:
+    keys = {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        keys |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"}
+        keys |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        keys |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    return keys
+
+
+def test_exact_key_set(tmp_path):
+    args = tiny_args(num_layers=3)
+    drafter = trained_like(args)
+    assert set(drafter.state_dict()) == expected_keys(3)
+    out = export_drafter(drafter, args, tmp_path / "export")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == expected_keys(3)
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_config_fields(tmp_path):
+    args = tiny_args(layer_types=["full_attention", "sliding_attention"], sliding_window=5)
+    target = {"num_hidden_layers": 8, "hidden_size": H, "vocab_size": V}
+    out = export_drafter(trained_like(args), args, tmp_path / "e", target_config=target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["num_key_value_heads"] == 2
+    assert config["head_dim"] == 8 and config["vocab_size"] == V and config["hidden_act"] == "silu"
+    assert config["attention_bias"] is False and config["tie_word_embeddings"] is False
+    assert config["torch_dtype"] == "bfloat16" and config["block_size"] == B
+    assert config["layer_types"] == ["full_attention", "sliding_attention"]
+    assert config["sliding_window"] == 5 and config["use_sliding_window"] is True
+    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 6], "mask_token_id": MASK_ID}
+    # The public meaning of num_target_layers is the target's depth.
+    assert config["num_target_layers"] == 8
+    assert args_from_config(config) == args
+
+
+def test_target_config_mismatch_is_rejected(tmp_path):
+    args = tiny_args()
+    with pytest.raises(ValueError, match="hidden_size"):
+        export_drafter(trained_like(args), args, tmp_path / "e", target_config={"hidden_size": H * 2})
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip(tmp_path, dtype):
+    args = tiny_args(
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=7,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512},
+    )
+    drafter = trained_like(args)
+    out = export_drafter(drafter, args, tmp_path / "e", dtype=dtype)
+    loaded, loaded_args = load_exported(out)
+    assert loaded_args == args
+    for name, tensor in drafter.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == dtype
+        assert torch.equal(got, tensor.to(dtype)), name
+    torch.testing.assert_close(loaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq, atol=0, rtol=0)
+
+
+def test_export_replaces_atomically(tmp_path):
+    args = tiny_args()
+    target = tmp_path / "export"
+    export_drafter(trained_like(args), args, target)
+    (target / "stale.txt").write_text("from an older export")
+    export_drafter(trained_like(args), args, target)
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert os.listdir(tmp_path) == ["export"]  # no temporary directories left behind
+
+
+# ----------------------------------------------------------------------------------------------
+# Public inference code (PyPI `dflash`, the z-lab implementation).
+
+def _public_model_class():
+    try:
+        from dflash.model import DFlashDraftModel
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available here"
+        pytest.skip(
+            f"public `dflash` package not importable ({type(exc).__name__}: {exc}); "
+            "install it with `pip install --no-deps dflash==0.1.0`"
+        )
+    return DFlashDraftModel
+
+
+PUBLIC_CASES = {
+    "full": {},
+    "mixed_small_window": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.parametrize("case", list(PUBLIC_CASES))
+def test_public_loader_loads_export_and_agrees(tmp_path, case):
+    DFlashDraftModel = _public_model_class()
+    args = tiny_args(**PUBLIC_CASES[case])
+    drafter = trained_like(args)
+    out = export_drafter(drafter, args, tmp_path / "e", dtype=torch.float32)
+    public, info = DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    public.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert public.target_layer_ids == args.target_layer_ids and public.block_size == B
+    assert public.mask_token_id == MASK_ID
+
+    # Inference: one block at positions start..start+B-1, context = hidden of positions < start.
+    g = torch.Generator().manual_seed(1)
+    start = 11
+    T = start + B  # the row also holds the anchor and later tokens, which must stay invisible
+    hidden = torch.randn(T, K * H, generator=g)
+    embed = torch.randn(V, H, generator=g)
+    input_ids = torch.randint(0, MASK_ID, (T,), generator=g)
+    position_ids = torch.arange(T)
+    anchors, valid = torch.tensor([start]), torch.tensor([True])
+    block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, B, MASK_ID)
+    block_embeds = F.embedding(block_ids, embed)
+    with torch.no_grad():
+        attn = drafter.build_attention(anchors, valid, torch.zeros(T, dtype=torch.long), backend="dense")
+        ours = drafter(hidden, block_embeds, position_ids, block_pos, attn)
+        theirs = public(
+            position_ids=torch.arange(start + B)[None],
+            noise_embedding=block_embeds[None],
+            target_hidden=hidden[None, :start],
+        )[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
