@@ -25,7 +25,7 @@ from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, Tr
 PEAK = 790e12
 
 
-def build(p: dict, mode: str, device, chunk: int) -> DrafterTrainer:
+def build(p: dict, mode: str, device, chunk: int, scope: str = "step") -> DrafterTrainer:
     torch.manual_seed(0)
     args = DrafterArgs(hidden_size=p["hidden"], intermediate_size=p["inter"], num_layers=p["layers"],
                        num_heads=p["heads"], num_kv_heads=p["kv"], head_dim=p["head_dim"], vocab_size=p["vocab"],
@@ -40,7 +40,7 @@ def build(p: dict, mode: str, device, chunk: int) -> DrafterTrainer:
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
-    return DrafterTrainer(obj, TrainConfig(compile=mode, max_steps=10_000, warmup_ratio=0.0), 10_000, None, device)
+    return DrafterTrainer(obj, TrainConfig(compile=mode, compile_scope=scope, max_steps=10_000, warmup_ratio=0.0), 10_000, None, device)
 
 
 def flops_per_step(p: dict, stats: dict, steps: int) -> float:
@@ -50,8 +50,8 @@ def flops_per_step(p: dict, stats: dict, steps: int) -> float:
     return drafter_matmul_flops(s, p["seq_len"], p["anchors"], b) + drafter_attention_flops(s, pairs) / steps
 
 
-def run_mode(p, mode, device, batches, warmup, steps, chunk) -> dict:
-    tr = build(p, mode, device, chunk)
+def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
+    tr = build(p, mode, device, chunk, scope)
     i = [0]
 
     def step():
@@ -100,8 +100,8 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk) -> dict:
     return out
 
 
-def loss_curve(p, mode, device, batches, n, chunk) -> list[float]:
-    tr = build(p, mode, device, chunk)
+def loss_curve(p, mode, device, batches, n, chunk, scope) -> list[float]:
+    tr = build(p, mode, device, chunk, scope)
     torch.manual_seed(123)
     out = [_one(tr, batches[k % len(batches)]) for k in range(n)]
     del tr
@@ -124,30 +124,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager and the last mode's losses")
     ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
+    ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = DRAFTERS[a.preset]
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
-    results = {"preset": a.preset, "shape": p, "torch": torch.__version__,
+    results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
     for mode in a.modes.split(","):
         try:
-            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk)
+            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope)
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
         results["modes"].append(r)
         print(r, flush=True)
-        write_json(results, f"drafter_{a.preset}.json")
+        write_json(results, f"drafter_{a.preset}_{a.scope}.json")
     if a.loss_steps:
         modes = a.modes.split(",")
-        curves = {m: loss_curve(p, m, device, batches, a.loss_steps, a.chunk) for m in ("eager", modes[-1])}
+        curves = {m: loss_curve(p, m, device, batches, a.loss_steps, a.chunk, a.scope) for m in ("eager", modes[-1])}
         e, c = curves["eager"], curves[modes[-1]]
         rel = [abs(x - y) / abs(x) for x, y in zip(e, c)]
         results["loss_match"] = {"mode": modes[-1], "steps": a.loss_steps, "max_rel_diff": max(rel),
                                  "mean_rel_diff": sum(rel) / len(rel), "eager_first_last": [e[0], e[-1]],
                                  "compiled_first_last": [c[0], c[-1]]}
-        write_json(results, f"drafter_{a.preset}.json")
+        write_json(results, f"drafter_{a.preset}_{a.scope}.json")
     print(f"\n{a.preset} on {results['device']} (torch {torch.__version__})")
     print(f"{'mode':18} {'ms/step':>9} {'samples/s':>10} {'MFU':>6} {'recomp':>7} {'cg-rec':>7} {'peakGiB':>8} {'fb ms':>7} {'opt ms':>7}")
     for r in results["modes"]:

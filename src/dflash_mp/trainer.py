@@ -62,6 +62,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     seed: int = 0  # init, anchors and data order
     compile: str = "auto"  # auto (reduce-overhead on CUDA, eager on CPU) | eager | default | reduce-overhead
+    compile_scope: str = "step"  # step: the whole objective is one graph | layers: each decoder layer
+    #   on its own (identical layers share one graph, so compile time is one layer's)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
 
 
@@ -137,6 +139,18 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def compile_objective(objective: DFlashObjective, mode: str, scope: str):
+    if mode == "eager":
+        return objective
+    if scope == "step":
+        return torch.compile(objective, mode=mode, dynamic=False)
+    if scope == "layers":
+        for layer in objective.drafter.layers:
+            layer.compile(mode=mode, dynamic=False)
+        return objective
+    raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")
+
+
 class GradAllReduce:
     """Data-parallel gradient averaging over the drafter group through one flat buffer.
 
@@ -182,7 +196,7 @@ class DrafterTrainer:
                                      weight_decay=cfg.weight_decay, fused=fused)
         self.allreduce = GradAllReduce(self.params, group)
         self.mode = resolve_compile_mode(cfg.compile, device)
-        self.fwd = objective if self.mode == "eager" else torch.compile(objective, mode=self.mode, dynamic=False)
+        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope)
         prec = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.autocast = prec == "bf16"
         b = objective.args.block_size

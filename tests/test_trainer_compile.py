@@ -1,0 +1,56 @@
+"""Compiled drafter steps equal eager ones (same anchors: their noise is drawn outside the graph).
+CUDA only: on CPU, inductor's C++ compile of even a tiny step costs about a minute per variant."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_mp.compile_stats import counts
+from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import synthetic_batch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
+
+
+def build(mode: str, scope: str) -> DrafterTrainer:
+    dev = torch.device("cuda")
+    args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        d = DFlashDrafter(args)
+    g = torch.Generator(dev).manual_seed(1)
+    embed = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
+    head = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
+    obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
+                                                              loss_chunk_size=256))
+    return DrafterTrainer(obj, TrainConfig(compile=mode, compile_scope=scope, warmup_ratio=0.0), 100, None, dev)
+
+
+@pytest.mark.parametrize("mode,scope", [("default", "step"), ("reduce-overhead", "step"),
+                                        ("reduce-overhead", "layers")])
+def test_compiled_losses_match_eager_and_never_recompile(mode, scope):
+    batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
+
+    def curve(tr):
+        torch.manual_seed(7)
+        out = []
+        for i in range(12):
+            tr.set_lr()
+            out.append(tr.forward_backward(batches[i % 3]).item())
+            tr.optimizer_step()
+            if i == 3:
+                warm = counts()
+        after = counts()
+        return out, after["graphs"] - warm["graphs"], after["cudagraph_records"] - warm["cudagraph_records"]
+
+    ref, _, _ = curve(build("eager", "step"))
+    got, recompiles, rerecords = curve(build(mode, scope))
+    assert recompiles == 0 and rerecords == 0
+    for a, b in zip(ref, got):
+        assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 tolerance
