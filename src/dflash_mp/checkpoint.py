@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,29 @@ def resolve_resume(resume: str, root: str) -> str | None:
                          "'auto', or '' for a fresh start.")
     read_manifest(resume)
     return resume
+
+
+def validate_resume(resume: str, root: str, drafter_ranks, world_size: int) -> str | None:
+    """Resolve `checkpoint.resume` and check, cheaply and before any process group exists, that the
+    checkpoint is complete, readable and written by this topology; ValueError naming the fix."""
+    path = resolve_resume(resume, root)
+    if path is None:
+        return None
+    manifest = read_manifest(path)
+    if manifest.get("world_size", world_size) != world_size:
+        raise ValueError(f"checkpoint {path} was written by a {manifest['world_size']}-rank job; this one has "
+                         f"{world_size}: resume with the same topology (rng state is per rank).")
+    for name in ["drafter.pt"] + [f"rng_rank{r}.pt" for r in drafter_ranks]:
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise ValueError(f"checkpoint {path} has no {name}: pick another checkpoint or resume=auto.")
+        try:  # torch.save writes a zip: its central directory (at the end) catches torn or foreign files
+            with zipfile.ZipFile(file) as z:
+                z.namelist()
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ValueError(f"checkpoint file {file} is corrupt ({e}): pick another checkpoint "
+                             "or resume=auto to take the newest complete one.") from None
+    return path
 
 
 def load_file(path: str, name: str, map_location="cpu"):

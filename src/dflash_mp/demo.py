@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 BUILTIN_DATA = "builtin:demo"
 BUILTIN_TARGET = "builtin:tiny-qwen3"
+# Same shapes, trained briefly on stdlib docstrings + the demo chats (see learned.py).
+BUILTIN_LEARNED_TARGET = "builtin:learned-qwen3"
 # Bump when the tokenizer, the target or the data change, so stale caches are not reused.
 DEMO_VERSION = 1
 
@@ -135,14 +137,20 @@ def default_cache_dir() -> str:
 
 
 def resolve_target_path(path: str, cache_dir: str | None = None) -> str:
-    """Map `builtin:tiny-qwen3` to a built (once, cached) local directory; other values pass through.
+    """Map `builtin:tiny-qwen3` / `builtin:learned-qwen3` to a built (once, cached) local directory;
+    other values pass through.
 
     Safe when several ranks race: each builds privately and renames; a complete directory is never
     visible half-written, so "config.json exists" means "ready".
     """
+    if path == BUILTIN_LEARNED_TARGET:
+        from .learned import resolve_learned_target
+
+        return resolve_learned_target(cache_dir)
     if path != BUILTIN_TARGET:
         if path.startswith("builtin:"):
-            raise ValueError(f"unknown builtin target {path!r}; the only builtin is {BUILTIN_TARGET!r}")
+            raise ValueError(f"unknown builtin target {path!r}; the builtins are {BUILTIN_TARGET!r} and "
+                             f"{BUILTIN_LEARNED_TARGET!r}")
         return path
     out = os.path.join(cache_dir or default_cache_dir(), f"tiny-qwen3-v{DEMO_VERSION}")
     if not os.path.isfile(os.path.join(out, "config.json")):

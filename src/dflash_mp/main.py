@@ -17,7 +17,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from . import checkpoint as ckpt
 from .config import CONF_DIR, JobConfig, register, to_job
+from .resilience import StopSignal, effective_resume, fail_fast, restart_count
 from .topology import Topology
 
 log = logging.getLogger("dflash_mp")
@@ -94,6 +96,15 @@ def prepare(job: JobConfig):
     return target_path, tokenizer, target_config, layer_ids, mask_id
 
 
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The env:// store, under a prefix per torchrun attempt: a restarted worker group may get the
+    agent's store back with the previous attempt's keys in it (gloo would connect to dead ranks)."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank, world, timeout=timeout))
+    return dist.PrefixStore(f"dflash_attempt_{restart_count()}", store)
+
+
 def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     from .roles import RunContext, run_drafter, run_target
     from .target import resolve_dtype
@@ -102,17 +113,29 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    topo = Topology.plan(job.topology.num_target_ranks, rank, world, local_world)
+    from .plan import resolve_num_target_ranks
+
+    topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
+                         allow_no_target=job.transport.kind == "files")
     setup_logging(rank, "T" if topo.role == "target" else "D")
+    stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
     backend = resolve_backend(job.topology.backend, device, local_world)
 
     target_path, tokenizer, target_config, layer_ids, mask_id = prepare(job)
     dtype = resolve_dtype(job.target.dtype, device)
+    resume = effective_resume(job.checkpoint.resume)
+    if resume != job.checkpoint.resume:
+        log.warning("torchrun restart %d: resuming from the newest complete checkpoint (checkpoint.resume=auto)",
+                    restart_count())
+    job.checkpoint.resume = resume
+    ckpt.validate_resume(resume, job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints"),
+                         topo.drafter_ranks, world)  # a missing or torn checkpoint fails before any group
 
     timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
+                            world_size=world, timeout=timeout,
                             **({"device_id": device} if device.type == "cuda" else {}))
     try:
         topo.init_groups(backend, timeout)
@@ -123,7 +146,10 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                 with open(os.path.join(job.run_dir, "config.yaml"), "w") as f:
                     f.write(OmegaConf.to_yaml(raw, resolve=True))
         ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype)
+        ctx.stop = stop
         (run_target if topo.role == "target" else run_drafter)(ctx)
+    except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
+        fail_fast(e, topo.role, rank)
     finally:
         dist.destroy_process_group()
 

@@ -33,6 +33,9 @@ class NullWriter:
     def add_text(self, *args, **kwargs) -> None:
         pass
 
+    def add_custom_scalars(self, *args, **kwargs) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -40,9 +43,40 @@ class NullWriter:
         pass
 
 
+def dashboard_layout() -> dict:
+    """TensorBoard "Custom Scalars" charts. Tags are regexes; a chart draws every run's matching tags,
+    so role-split tags (drafter under tb/drafter, target under tb/target) share one chart when
+    TensorBoard is pointed at `<run_dir>/tb`."""
+    multi = lambda *tags: ["Multiline", list(tags)]  # noqa: E731
+    return {
+        "acceptance": {
+            "accuracy per block slot": multi(r"drafter/acc_slot_\d+"),
+            "simulated acceptance length": multi("drafter/tau_sim"),
+            "loss": multi("drafter/loss"),
+        },
+        "throughput": {
+            "tokens/s per role": multi("throughput/tokens_per_s", "target/tokens_per_s"),
+            "MFU per role": multi("throughput/mfu", "target/mfu"),
+            "drafter samples/s": multi("throughput/samples_per_s"),
+        },
+        "communication": {
+            "drafter wait / target stall (ms)": multi("comm/wait_ms", "comm/stall_ms"),
+            "batches in flight": multi("comm/in_flight"),
+        },
+        "compile": {
+            "graphs, recompiles, CUDA graph recordings": multi(r"compile/.*"),
+            "memory (GiB)": multi(r"memory/.*"),
+        },
+    }
+
+
 class Writer:
     """TensorBoard scalars plus one JSON line per logging step (`<log_dir>/scalars.jsonl`), so
-    scripts and tests read the same numbers TensorBoard shows without parsing event files."""
+    scripts and tests read the same numbers TensorBoard shows without parsing event files.
+
+    The drafter's writer also registers `dashboard_layout()` (once, at its first flush), so the
+    Custom Scalars tab groups per-slot acceptance, per-role throughput/MFU, comm and compile charts.
+    """
 
     def __init__(self, log_dir: str, tensorboard: bool):
         from torch.utils.tensorboard import SummaryWriter
@@ -51,6 +85,7 @@ class Writer:
         self.tb = SummaryWriter(log_dir=log_dir) if tensorboard else NullWriter()
         self.jsonl = open(os.path.join(log_dir, "scalars.jsonl"), "a")
         self.row: dict[str, float] = {}
+        self.layout_written = False
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.tb.add_scalar(tag, value, step)
@@ -61,6 +96,9 @@ class Writer:
         self.tb.add_text(tag, text, step)
 
     def flush(self) -> None:
+        if not self.layout_written and "drafter/loss" in self.row:
+            self.tb.add_custom_scalars(dashboard_layout())
+            self.layout_written = True
         if self.row:
             self.jsonl.write(json.dumps(self.row) + "\n")
             self.jsonl.flush()

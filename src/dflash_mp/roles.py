@@ -21,6 +21,7 @@ from .config import JobConfig
 from .flops import DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops, target_forward_flops
 from .compile_stats import counts as compile_counts
 from .metrics import Progress, make_writer, reduce_scalars
+from .resilience import DataTally, StopAgreement, effective_resume, fault_from_env, maybe_fault
 from .topology import Topology
 from .transport import SlotSpec, build_transport
 
@@ -40,6 +41,7 @@ class RunContext:
         self.tokenizer, self.dtype = tokenizer, dtype
         self.ckpt_root = job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints")
         self.graphs_after_warmup = 0
+        self.stop = None  # resilience.StopSignal: SIGTERM -> checkpoint and a clean exit
 
     @property
     def slot_spec(self) -> SlotSpec:
@@ -54,6 +56,10 @@ def agree_num_steps(ctx: RunContext, batches_per_epoch: int) -> int:
     counts: list[int] = [0] * topo.world_size
     dist.all_gather_object(counts, batches_per_epoch, group=topo.control_group)
     total = sum(counts[r] for r in topo.target_ranks)
+    if not topo.target_ranks:  # drafter-only job: the dump's manifest counts the batches of one epoch
+        from .transport.files import read_manifest
+
+        total = read_manifest(ctx.job.transport.files_dir)["num_batches"]
     tc = ctx.job.train
     steps = tc.max_steps if tc.max_steps > 0 else int(tc.epochs * total // len(topo.drafter_ranks))
     if steps < 1:
@@ -65,7 +71,7 @@ def agree_num_steps(ctx: RunContext, batches_per_epoch: int) -> int:
 
 
 def resume_step(ctx: RunContext) -> tuple[int, str | None]:
-    path = ckpt.resolve_resume(ctx.job.checkpoint.resume, ctx.ckpt_root)
+    path = ckpt.resolve_resume(effective_resume(ctx.job.checkpoint.resume), ctx.ckpt_root)
     if path is None:
         return 0, None
     return int(ckpt.read_manifest(path)["step"]), path
@@ -95,14 +101,25 @@ def run_target(ctx: RunContext) -> None:
         stack.callback(sender.close)
         writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"))
         stack.callback(writer.close)
+        writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
         it = iter(stream)
-        t0, tokens, flops = time.perf_counter(), 0, 0.0
+        fault = fault_from_env()
+        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
+        skipped = {k.split("/", 1)[1]: v for k, v in stream.stats().items() if k.startswith("skipped/")}
+        t0, tokens, flops, docs = time.perf_counter(), 0, 0.0, 0
+        end = num_steps
         for step in range(start, num_steps):
+            if agree.target_before(step):
+                end = step
+                break
+            maybe_fault(fault, topo.rank, step, "kill")
+            maybe_fault(fault, topo.rank, step, "hang")
             for dst in topo.sends_at_step(topo.rank, step):
                 pb = next(it)
                 hb = worker.forward(pb)
                 sender.send(dst, hb)
                 tokens += pb.num_valid_tokens
+                docs += pb.num_docs
                 flops += fwd_flops(pb)
             if (step + 1) % job.logging.log_every == 0 or step + 1 == num_steps:
                 if ctx.device.type == "cuda":
@@ -110,16 +127,27 @@ def run_target(ctx: RunContext) -> None:
                 dt = time.perf_counter() - t0
                 st = sender.stats()
                 vals = reduce_scalars({"tokens_per_s": tokens / dt, "mfu": flops / dt / (job.logging.peak_tflops * 1e12),
-                                       "stall_ms": st.get("stall_ms", 0.0), "in_flight": st.get("in_flight", 0)},
-                                      topo.target_group)
+                                       "stall_ms": st.get("stall_ms", 0.0), "in_flight": st.get("in_flight", 0),
+                                       "docs": docs, "tokens": tokens}, topo.target_group)
+                # Rows and documents sent in this interval (all targets), and the rows the data set
+                # skipped, by reason (every target tokenizes the whole set: the counts agree).
+                writer.add_scalar("data/docs", round(vals["docs"] * topo.role_size), step + 1)
+                writer.add_scalar("data/tokens", round(vals["tokens"] * topo.role_size), step + 1)
+                for reason, n in sorted(skipped.items()):
+                    writer.add_scalar(f"data/skipped_{reason}", n, step + 1)
                 writer.add_scalar("target/tokens_per_s", vals["tokens_per_s"] * topo.role_size, step + 1)
                 writer.add_scalar("target/mfu", vals["mfu"], step + 1)
                 writer.add_scalar("comm/stall_ms", vals["stall_ms"], step + 1)
                 writer.add_scalar("comm/in_flight", vals["in_flight"], step + 1)
                 writer.flush()
-                t0, tokens, flops = time.perf_counter(), 0, 0.0
+                t0, tokens, flops, docs = time.perf_counter(), 0, 0.0, 0
+        agree.finish()
         sender.finish()
-        log.info("target rank %d done: %d steps; data: %s", topo.rank, num_steps, stream.stats())
+        if end < num_steps:
+            log.warning("target rank %d stopped at step %d of %d (SIGTERM)", topo.rank, end, num_steps)
+        log.info("target rank %d done: steps %d..%d; data: %s", topo.rank, start, end, stream.stats())
+        log.info("data set: %d rows skipped%s", sum(skipped.values()),
+                 "".join(f", {k}={v}" for k, v in sorted(skipped.items())))
 
 
 def seek(stream, num_batches: int) -> None:
@@ -167,6 +195,8 @@ def run_drafter(ctx: RunContext) -> None:
     with ExitStack() as stack:
         receiver = build_transport(job.transport, topo, ctx.slot_spec)
         stack.callback(receiver.close)
+        if hasattr(receiver, "seek"):  # files: no target to re-position, the reader seeks itself
+            receiver.seek(start)
         lead = topo.is_role_leader
         writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"))
         stack.callback(writer.close)
@@ -175,10 +205,17 @@ def run_drafter(ctx: RunContext) -> None:
         if lead:
             writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
         t0, wait_s, last_logged = time.perf_counter(), 0.0, start
+        fault = fault_from_env()
+        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
+        tally = DataTally(ctx.device)
+        end = num_steps
         for step in range(start, num_steps):
+            maybe_fault(fault, topo.rank, step, "kill")
+            maybe_fault(fault, topo.rank, step, "hang")
             tw = time.perf_counter()
             hb = receiver.recv(topo.source_for_step(topo.rank, step))
             wait_s += time.perf_counter() - tw
+            tally.add(hb)
             lr = trainer.train_step(hb)
             done = step + 1
             if done - start <= WARMUP_STEPS:  # first forward/backward compile; graphs record on the next calls
@@ -186,17 +223,24 @@ def run_drafter(ctx: RunContext) -> None:
             if done % job.logging.log_every == 0 or done == num_steps:
                 receiver_verify(receiver)
                 vals = log_drafter(ctx, trainer, writer, done, lr, time.perf_counter() - t0, wait_s,
-                                   step_flops, shape, args.block_size)
+                                   step_flops, shape, args.block_size, tally)
                 bar.update(done - last_logged, {"loss": vals["loss"], "tau": vals["tau_sim"]})
                 t0, wait_s, last_logged = time.perf_counter(), 0.0, done
+            if agree.drafter_after(done):  # SIGTERM somewhere: stop here with a checkpoint
+                end = done
+                break
             if job.checkpoint.every and done % job.checkpoint.every == 0 and done < num_steps:
-                save_checkpoint(ctx, trainer, done, num_steps)
+                save_checkpoint(ctx, trainer, done, num_steps, fault)
         for src in topo.sources[topo.rank]:
             receiver.expect_end(src)
         c = compile_counts()
         log.info("compile: %d graphs, %d recompiles after warm-up, %d CUDA graph recordings (mode %s)",
                  c["graphs"], c["graphs"] - ctx.graphs_after_warmup, c["cudagraph_records"], trainer.mode)
-        save_checkpoint(ctx, trainer, num_steps, num_steps)
+        save_checkpoint(ctx, trainer, end, num_steps, fault)
+        if end < num_steps:
+            log.warning("stopped at step %d of %d (SIGTERM) with a checkpoint; continue with "
+                        "checkpoint.resume=auto", end, num_steps)
+            return
         if lead:
             out = os.path.join(job.run_dir, "export")
             export_drafter(trainer.objective.drafter, args, out, ctx.target_config)
@@ -209,9 +253,11 @@ def receiver_verify(receiver) -> None:
         verify()
 
 
-def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b) -> dict[str, float]:
+def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b, tally=None) -> dict[str, float]:
     topo = ctx.topo
     s = trainer.stats.pop()
+    if tally is not None:
+        s.update(tally.pop())  # same all-reduce
     tot = reduce_scalars(s, topo.drafter_group, mode="sum")
     n = topo.role_size
     steps = tot["steps"] / n  # every drafter runs the same steps
@@ -234,6 +280,9 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     writer.add_scalar("throughput/tokens_per_s", samples * ctx.job.data.seq_len / dt, step)
     writer.add_scalar("throughput/mfu", flops / n / dt / (ctx.job.logging.peak_tflops * 1e12), step)
     writer.add_scalar("comm/wait_ms", 1000 * wait_s / max(steps, 1), step)
+    if tally is not None:  # what the drafters consumed in this interval: proves nothing lost or repeated
+        for k in ("docs", "tokens", "checksum"):
+            writer.add_scalar(f"data/{k}", tot[f"data_{k}"], step)
     c = compile_counts()
     writer.add_scalar("compile/graphs", c["graphs"], step)
     writer.add_scalar("compile/cudagraph_records", c["cudagraph_records"], step)
@@ -244,11 +293,12 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     return vals
 
 
-def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int) -> None:
+def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int, fault=None) -> None:
     topo, root = ctx.topo, ctx.ckpt_root
     tmp = ckpt.tmp_dir(root, step)
     os.makedirs(tmp, exist_ok=True)
     ckpt.save_file(get_rng_state(), os.path.join(tmp, f"rng_rank{topo.rank}.pt"))
+    maybe_fault(fault, topo.rank, step, "checkpoint")  # tests: die between two files of one checkpoint
     if topo.is_role_leader:
         ckpt.save_file(trainer.state_dict(), os.path.join(tmp, "drafter.pt"))
     dist.barrier(group=topo.drafter_cpu_group)

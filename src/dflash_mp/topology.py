@@ -13,11 +13,14 @@ import torch.distributed as dist
 
 TARGET = "target"
 DRAFTER = "drafter"
+FILES_SOURCE = -1  # the "source rank" of a drafter-only job: batches come from dumped files
 
 
 @dataclass
 class TopologyConfig:
-    num_target_ranks: int = 1  # ranks running the frozen target; the rest train the drafter
+    # Ranks running the frozen target; the rest train the drafter. "auto" = the best whole-GPU split
+    # of the planner's FLOP estimate (`python -m dflash_mp.plan`); 0 only with transport.kind=files.
+    num_target_ranks: int | str = 1
     backend: str = "auto"  # torch.distributed backend: auto (nccl with CUDA, else gloo) | nccl | gloo
     # Process-group timeout (collectives, NCCL watchdog). 0 = auto: 120 s on CPU; 1800 s on CUDA,
     # where a drafter's first compiled step keeps posted receives waiting for minutes. Dead peers
@@ -53,16 +56,23 @@ class Topology:
 
     # ---------------------------------------------------------------- planning (pure)
     @classmethod
-    def plan(cls, num_target_ranks: int, rank: int, world_size: int, ranks_per_node: int | None = None):
+    def plan(cls, num_target_ranks: int, rank: int, world_size: int, ranks_per_node: int | None = None,
+             allow_no_target: bool = False):
+        """`allow_no_target`: a drafter-only job (every rank trains, batches come from files) may set
+        num_target_ranks=0; then even one process is a valid job."""
+        if allow_no_target and num_target_ranks == 0:
+            return cls._drafters_only(rank, world_size, ranks_per_node)
         if world_size < 2:
             raise ValueError(
                 f"world_size={world_size}: dflash_mp needs at least 2 ranks (one target, one drafter); "
                 "launch with `torchrun --nproc-per-node 2` or more."
             )
         if not 1 <= num_target_ranks <= world_size - 1:
+            hint = (" (0 is legal only for a drafter-only job reading dumped features: transport.kind=files)"
+                    if num_target_ranks == 0 else "")
             raise ValueError(
                 f"topology.num_target_ranks={num_target_ranks} is impossible with world_size={world_size}: "
-                f"choose a value from 1 to {world_size - 1} so that both roles have at least one rank."
+                f"choose a value from 1 to {world_size - 1} so that both roles have at least one rank{hint}."
             )
         rpn = ranks_per_node or world_size
         if world_size % rpn:
@@ -97,11 +107,22 @@ class Topology:
             sources={d: tuple(sorted(ts)) for d, ts in sources.items()},
         )
 
+    @classmethod
+    def _drafters_only(cls, rank: int, world_size: int, ranks_per_node: int | None):
+        rpn = ranks_per_node or world_size
+        if world_size < 1 or world_size % rpn:
+            raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={rpn}.")
+        drafters = tuple(range(world_size))
+        return cls(rank=rank, world_size=world_size, ranks_per_node=rpn, target_ranks=(),
+                   drafter_ranks=drafters, feeds={}, sources={d: () for d in drafters})
+
     # ---------------------------------------------------------------- groups (collective)
     def init_groups(self, backend: str, timeout=None) -> "Topology":
         """Build every group on every rank in one fixed order; call once after init_process_group."""
         kw = {"timeout": timeout} if timeout is not None else {}
-        self.target_group = dist.new_group(list(self.target_ranks), backend=backend, **kw)
+        # No target group in a drafter-only job (the same on every rank, so the order still agrees).
+        if self.target_ranks:
+            self.target_group = dist.new_group(list(self.target_ranks), backend=backend, **kw)
         self.drafter_group = dist.new_group(list(self.drafter_ranks), backend=backend, **kw)
         self.control_group = dist.new_group(list(range(self.world_size)), backend="gloo", **kw)
         self.drafter_cpu_group = dist.new_group(list(self.drafter_ranks), backend="gloo", **kw)
@@ -137,8 +158,11 @@ class Topology:
         return self.node_of(a) == self.node_of(b)
 
     def source_for_step(self, drafter: int, step: int) -> int:
-        """The target rank whose batch `drafter` consumes at drafter step `step` (round robin)."""
+        """The target rank whose batch `drafter` consumes at drafter step `step` (round robin);
+        FILES_SOURCE in a drafter-only job."""
         src = self.sources[drafter]
+        if not src:
+            return FILES_SOURCE
         return src[step % len(src)]
 
     def sends_at_step(self, target: int, step: int) -> list[int]:

@@ -65,6 +65,10 @@ class TrainConfig:
     compile_scope: str = "step"  # step: the whole objective is one graph | layers: each decoder layer
     #   on its own (identical layers share one graph, so compile time is one layer's)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    # After SIGTERM: the job stops within 2*logging.log_every steps with a checkpoint; a rank still
+    # running this long after the signal exits non-zero (Slurm's KillWait and torchrun's shutdown
+    # wait are 30 s: keep it below both, or raise them).
+    stop_grace_s: float = 25.0
 
 
 def build_drafter_args(cfg: DrafterConfig, target: dict, layer_ids: list[int], mask_token_id: int) -> DrafterArgs:

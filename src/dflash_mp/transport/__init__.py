@@ -7,11 +7,13 @@
     transport.close()                         transport.close()
 
 Each (target, drafter) pair gets its own channel: shared memory (`shm`) when both ranks are on one
-node, NCCL/gloo point-to-point (`p2p`) otherwise; see the two modules for the protocols.
+node, NCCL/gloo point-to-point (`p2p`) otherwise; see the two modules for the protocols. A drafter-only
+job (`topology.num_target_ranks=0`) reads features dumped by `dflash_mp.dump` instead (`files`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +29,9 @@ __all__ = [
     "build_transport", "pair_kinds", "sweep_stale_segments",
 ]
 
-KINDS = ("auto", "p2p", "shm")
+log = logging.getLogger(__name__)
+
+KINDS = ("auto", "p2p", "shm", "files")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class TransportConfig:
     depth: int = 2  # batches in flight per (target, drafter) pair (credits)
     timeout_s: float = 120.0  # a peer silent this long is an error naming the peer, never a hang
     shm_cuda: str = "auto"  # GPU shm slots: auto (CUDA IPC if the GPUs can peer, else pinned) | ipc | pinned
+    files_dir: str = ""  # kind=files: the dump.dir of `python -m dflash_mp.dump` to train from
 
 
 def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int], str]:
@@ -44,6 +49,12 @@ def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int]
         raise ValueError(f"transport.kind={cfg.kind!r}: choose one of {', '.join(KINDS)}")
     if cfg.depth < 1:
         raise ValueError(f"transport.depth={cfg.depth}: at least 1 batch must be allowed in flight")
+    if (cfg.kind == "files") != (not topology.target_ranks):
+        raise ValueError(
+            f"transport.kind={cfg.kind} with {len(topology.target_ranks)} target rank(s): a job that trains from "
+            "dumped features sets transport.kind=files transport.files_dir=DIR topology.num_target_ranks=0; "
+            "a streaming job needs at least one target rank and kind auto, p2p or shm."
+        )
     kinds = {}
     for t, ds in sorted(topology.feeds.items()):
         for d in ds:
@@ -65,7 +76,13 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec) ->
     talks over `topology.control_group`) and, on CUDA, after `torch.cuda.set_device`.
     """
     kinds = pair_kinds(cfg, topology)
+    if cfg.kind == "files":
+        from dflash_mp.transport.files import FilesReceiver
+
+        return FilesReceiver(cfg.files_dir, topology, spec, prefetch=cfg.depth)
     me = topology.rank
+    mine = [f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()) if me in (t, d)]
+    log.info("transport on rank %d (node %d): %s", me, topology.node_of(me), ", ".join(mine))
     channels: dict = {}
     try:
         shm_pairs = [p for p, k in kinds.items() if k == "shm"]

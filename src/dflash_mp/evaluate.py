@@ -1,0 +1,301 @@
+"""Evaluate an exported drafter against its target: simulated and live acceptance.
+
+    python -m dflash_mp.evaluate checkpoint=outputs/default/export [target.path=...] [data.path=...] \
+        [eval.num_prompts=16] [eval.max_new_tokens=64] [eval.block_size=B] [eval.out=PATH]
+
+`target.*` and `data.*` are the training job's config fields (same defaults, same overrides), so the
+evaluation sees the target and data the drafter was trained with. Two measurements:
+
+- **sim**: the target runs over packed held-out batches (`data.eval_fraction > 0`; otherwise the
+  first rows of the data) and the drafter predicts a block at every anchor candidate: per-slot
+  accuracy and `tau_sim`, the quantities training logs, plus `tau_sim_path`, the same acceptance
+  sampled along the path live decoding takes (see `simulate`).
+- **live**: greedy speculative decoding (`dflash_mp.speculative`) on prompts taken from the same
+  conversations (every assistant turn's prefix, rendered with the chat template and a generation
+  prompt): mean acceptance length `tau`, its histogram, target forwards per generated token, and the
+  wall-clock speedup over plain greedy decoding (meaningful on a GPU; on CPU it is reported and
+  labelled as such). Every prompt's output must equal plain greedy decoding; if one does not, the
+  report is still written and the command fails.
+
+The report is printed and written as JSON to `eval.out` (default `<checkpoint>/eval.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""  # export directory (config.json + model.safetensors)
+    out: str = ""  # report path; "" = <checkpoint>/eval.json
+    num_prompts: int = 16  # live decoding prompts
+    max_new_tokens: int = 64  # per live prompt
+    block_size: int = 0  # block size for both measurements; 0 = the drafter's own
+    num_batches: int = 8  # held-out packed batches for tau_sim; 0 = all
+    num_anchors: int = 128  # blocks per drafter call for tau_sim (every anchor candidate is evaluated)
+
+
+def _good_conversations(job, tokenizer, vocab_limit: int) -> list[list[dict[str, str]]]:
+    """The rows the trainer keeps (same checks), held-out ones only when `data.eval_fraction > 0`."""
+    import datasets
+
+    from .data import split_eval
+    from .data.chat import BadRow, ChatEncoder, load_conversations
+    from .regenerate import row_messages
+
+    encoder = ChatEncoder(tokenizer, vocab_limit, job.data.messages_field)
+    good = []
+    for row in load_conversations(job.data):
+        try:
+            messages = row_messages(row, job.data.messages_field)
+            encoder.encode_messages(messages)
+        except BadRow:
+            continue
+        good.append(messages)
+    if job.data.eval_fraction > 0:
+        index = datasets.Dataset.from_dict({"i": list(range(len(good)))})
+        _, held = split_eval(index, job.data.eval_fraction, job.data.seed)
+        good = [good[i] for i in held["i"]]
+    return good
+
+
+def eval_prompts(conversations: list[list[dict[str, str]]], tokenizer, num_prompts: int) -> list[list[int]]:
+    """The prefix before every assistant turn, rendered with a generation prompt, in data order."""
+    prompts = []
+    for messages in conversations:
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and len(prompts) < num_prompts:
+                text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def walk_decode_path(accept: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                     candidates: torch.Tensor) -> list[int]:
+    """Acceptance lengths along the path live decoding takes through the data.
+
+    `accept[a]` is the acceptance length of the block anchored at `a`. Decoding an assistant turn
+    starts with its first token as the anchor and moves to `a + accept[a]` after each verify step,
+    until the anchor is no longer a candidate (the end of the turn). When the data is the target's
+    own greedy output, this is exactly what live decoding would accept.
+    """
+    lm = loss_mask.bool() & (doc_ids >= 0)
+    prev = torch.cat([lm.new_zeros(1), lm[:-1]])
+    same_doc = torch.cat([doc_ids.new_full((1,), -2), doc_ids[:-1]]) == doc_ids
+    starts = (lm & ~(prev & same_doc)).nonzero().flatten().tolist()
+    steps = []
+    for a in starts:
+        while a < candidates.shape[0] and bool(candidates[a]):
+            steps.append(int(accept[a]))
+            a += int(accept[a])
+    return steps
+
+
+@torch.no_grad()
+def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, args, device, dtype,
+             cfg: EvalConfig) -> dict:
+    """Drafter acceptance on held-out packed batches, with every anchor candidate evaluated.
+
+    `tau_sim` is the training metric: the mean over all anchors of 1 + the leading correct slots.
+    It weighs every position equally, while live decoding steps over easy stretches in few steps and
+    spends most of its steps where acceptance is low, so `tau_sim` overstates live `tau` whenever
+    acceptance varies along a reply. `tau_sim_path` follows the decoding path through the data
+    (`walk_decode_path`) and is what live decoding measures when the data is the target's greedy output.
+    """
+    import torch.nn.functional as F
+
+    from .data import build_stream
+    from .model import anchor_candidates, block_labels, build_blocks, dflash_loss, slot_weights
+    from .model.loss import DEFAULT_GAMMA
+    from .target import TargetWorker, load_target_head
+    from .trainer import _Stats
+
+    part = "eval" if job.data.eval_fraction > 0 else "train"
+    data_cfg = dataclasses.replace(job.data, shuffle=False)
+    stream = build_stream(data_cfg, tokenizer, 0, 1, vocab_limit=target_config["vocab_size"], part=part)
+    num_batches = stream.batches_per_epoch(0)
+    if cfg.num_batches:
+        num_batches = min(num_batches, cfg.num_batches)
+    worker = TargetWorker.load(target_path, args.target_layer_ids, device, dtype, job.target.attn_implementation)
+    embed, head = load_target_head(target_path, dtype, device)
+    b, chunk = args.block_size, cfg.num_anchors
+    weights = slot_weights(b, job.drafter.gamma or DEFAULT_GAMMA.get(b, 4.0), device=device)  # loss only
+    stats = _Stats(b, device)
+    path_steps: list[int] = []
+    it = iter(stream)
+    for _ in range(num_batches):
+        hb = worker.forward(next(it)).to(device, copy=True)
+        cand = anchor_candidates(hb.loss_mask, hb.doc_ids)
+        accept = torch.zeros_like(hb.input_ids)
+        for group in cand.nonzero().flatten().split(chunk):
+            n = group.shape[0]
+            anchors = torch.cat([group, group.new_zeros(chunk - n)])
+            valid = torch.arange(chunk, device=device) < n
+            labels, label_mask = block_labels(hb.input_ids, hb.loss_mask, hb.doc_ids, anchors, valid, b)
+            block_ids, block_pos = build_blocks(hb.input_ids, hb.position_ids, anchors, b, args.mask_token_id)
+            attn = drafter.build_attention(anchors, valid, hb.doc_ids, backend=job.drafter.attention)
+            out = drafter(hb.hidden, F.embedding(block_ids, embed).to(hb.hidden.dtype), hb.position_ids, block_pos,
+                          attn)
+            loss, correct = dflash_loss(out, head, labels, label_mask, weights, job.drafter.loss_chunk_size)
+            stats.add(loss, correct, label_mask, torch.zeros(()), hb.num_valid_tokens)
+            lead = (correct & label_mask)[:, 1:].long().cumprod(dim=1).sum(dim=1)
+            accept[group] = 1 + lead[:n]
+        path_steps += walk_decode_path(accept, hb.loss_mask, hb.doc_ids, cand)
+    s = {k: (v.item() if torch.is_tensor(v) else v) for k, v in stats.pop().items()}
+    return {
+        "held_out": part == "eval",
+        "batches": num_batches,
+        "blocks": int(s["blocks"]),
+        "loss": s["loss_sum"] / max(s["steps"], 1),
+        "tau_sim": s["tau_sum"] / max(s["blocks"], 1),
+        "tau_sim_path": sum(path_steps) / max(len(path_steps), 1),
+        "path_steps": len(path_steps),
+        "acc_slot": {k: s[f"slot_correct_{k}"] / max(s[f"slot_count_{k}"], 1) for k in range(1, b)},
+    }
+
+
+def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: EvalConfig,
+         block_size: int) -> tuple[dict, list[str]]:
+    """Speculative vs plain greedy decoding on every prompt; returns (report, lossless failures)."""
+    from .speculative import check_lossless, greedy_generate, speculative_generate
+
+    if not prompts:
+        raise ValueError("no prompts: the evaluated conversations hold no assistant turn; check data.path")
+    # Warm-up (allocator, first-call overheads) so the first prompt's timing is not an outlier.
+    greedy_generate(target, prompts[0], 2, stop_ids)
+    speculative_generate(target, drafter, prompts[0], 2, stop_ids, block_size)
+    hist: Counter = Counter()
+    failures, per_prompt = [], []
+    tokens = spec_fwd = greedy_fwd = 0
+    spec_s = greedy_s = 0.0
+    for i, prompt in enumerate(prompts):
+        g = greedy_generate(target, prompt, cfg.max_new_tokens, stop_ids)
+        s = speculative_generate(target, drafter, prompt, cfg.max_new_tokens, stop_ids, block_size)
+        try:
+            check_lossless(i, s, g)
+        except RuntimeError as err:
+            failures.append(str(err))
+        hist.update(s.acceptance_lengths)
+        per_prompt.append({"prompt_tokens": len(prompt), "generated": len(s.tokens), "tau": s.tau,
+                           "target_forwards": s.num_target_forwards})
+        tokens += len(s.tokens)
+        spec_fwd += s.num_target_forwards
+        greedy_fwd += g.num_target_forwards
+        spec_s += s.seconds
+        greedy_s += g.seconds
+    steps = sum(hist.values())
+    device = drafter.embed.device
+    report = {
+        "num_prompts": len(prompts),
+        "block_size": block_size,
+        "tau": sum(k * n for k, n in hist.items()) / max(steps, 1),
+        "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
+        "generated_tokens": tokens,
+        "target_forwards": spec_fwd,
+        "greedy_forwards": greedy_fwd,
+        "target_forwards_per_token": spec_fwd / max(tokens, 1),
+        "speculative_s": spec_s,
+        "greedy_s": greedy_s,
+        "speedup": greedy_s / spec_s if spec_s > 0 else 0.0,
+        "speedup_device": device.type,
+        "speedup_note": "" if device.type == "cuda" else
+        f"measured on {device.type}: tiny models are overhead-bound here; only GPU speedups are meaningful",
+        "lossless": not failures,
+        "prompts": per_prompt,
+    }
+    return report, failures
+
+
+def evaluate(job, cfg: EvalConfig) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .export import load_exported
+    from .regenerate import stop_token_ids
+    from .speculative import Drafter
+    from .target import load_target_config, resolve_dtype, resolve_path
+
+    if not cfg.checkpoint:
+        raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(job.target.dtype, device)
+    target_path = resolve_path(job.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    target_config = load_target_config(target_path)
+    drafter, args = load_exported(cfg.checkpoint, dtype=dtype, device=device)
+    if cfg.block_size:
+        args = dataclasses.replace(args, block_size=cfg.block_size)
+        drafter.args = args
+    drafter.eval()
+    if args.hidden_size != target_config["hidden_size"] or args.vocab_size != target_config["vocab_size"]:
+        raise ValueError(f"the drafter at {cfg.checkpoint} (hidden {args.hidden_size}, vocab {args.vocab_size}) does "
+                         f"not fit the target at {target_path}; pass the target it was trained for (target.path=...)")
+
+    sim = simulate(job, target_path, tokenizer, target_config, drafter, args, device, dtype, cfg)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    conversations = _good_conversations(job, tokenizer, target_config["vocab_size"])
+    prompts = eval_prompts(conversations, tokenizer, cfg.num_prompts)
+    live_report, failures = live(target, Drafter.for_target(drafter, args, target), prompts,
+                                 stop_token_ids(tokenizer, target), cfg, args.block_size)
+    report = {"checkpoint": os.path.abspath(cfg.checkpoint), "target": target_path, "data": job.data.path,
+              "sim": sim, "live": live_report, "failures": failures}
+    out = cfg.out or os.path.join(cfg.checkpoint, "eval.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(format_report(report))
+    print(f"report written to {out}")
+    if failures:
+        raise RuntimeError(f"{len(failures)} prompt(s) not lossless; first: {failures[0]}")
+    return report
+
+
+def format_report(report: dict) -> str:
+    sim, lv = report["sim"], report["live"]
+    b = lv["block_size"]
+    lines = [
+        f"{'drafter':<28}{report['checkpoint']}",
+        f"{'tau_sim':<28}{sim['tau_sim']:.3f}   ({sim['blocks']} blocks, {sim['batches']} batches, "
+        f"{'held-out' if sim['held_out'] else 'first rows'}; loss {sim['loss']:.3f})",
+        f"{'tau_sim on the decode path':<28}{sim['tau_sim_path']:.3f}   ({sim['path_steps']} steps; what live "
+        "decoding of this data would accept)",
+        f"{'acc per slot':<28}" + " ".join(f"{sim['acc_slot'][k]:.2f}" for k in range(1, b)),
+        f"{'live tau':<28}{lv['tau']:.3f}   ({lv['num_prompts']} prompts, {lv['generated_tokens']} tokens, "
+        f"block {b})",
+        f"{'acceptance histogram':<28}" + " ".join(f"{k}:{n}" for k, n in lv["acceptance_histogram"].items()),
+        f"{'target forwards / token':<28}{lv['target_forwards_per_token']:.3f}   (greedy: "
+        f"{lv['greedy_forwards'] / max(lv['generated_tokens'], 1):.3f})",
+        f"{'speedup vs greedy':<28}{lv['speedup']:.2f}x   ({lv['speedup_device']}"
+        f"{'; ' + lv['speedup_note'] if lv['speedup_note'] else ''})",
+        f"{'lossless':<28}{'yes' if lv['lossless'] else 'NO'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .config import compose
+    from .regenerate import build_own, split_overrides
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    own, rest = split_overrides(argv, EvalConfig)
+    try:
+        evaluate(compose(rest), build_own(EvalConfig, own))
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

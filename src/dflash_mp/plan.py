@@ -1,0 +1,324 @@
+"""Split planner: how many GPUs should run the target, and how many the drafter?
+
+    python -m dflash_mp.plan target=qwen3_8b drafter=qwen3_8b world_size=8 [data.seq_len=3072]
+        [peak_tflops=790] [target_mfu=0.6 drafter_mfu=0.5] [doc_len=1024] [shared_efficiency=0.9] [--measure]
+
+A "sample" is one packed batch of `data.seq_len` tokens: a target rank produces samples, a drafter
+rank consumes one per step. Per-GPU rates come from the model FLOPs of `dflash_mp.flops` against
+`peak_tflops * mfu` (or, with `--measure`, from timing both on the local accelerator). A split of
+`W` GPUs into `n` target and `W - n` drafter GPUs delivers `min(n * t, (W - n) * d)` samples/s.
+When the rates do not divide evenly, one GPU shared by a target and a drafter process (over the shm
+ring; its throughput split between them) can close the gap, up to the fluid bound `W*t*d/(t+d)`.
+
+Everything above `main()` is pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
+                    target_forward_flops)
+
+log = logging.getLogger(__name__)
+
+# config.json fields of public targets (text decoder only), so presets validate and the planner runs
+# without downloading anything. `tokenizer_len` is len(tokenizer): the first row past it is the
+# default mask token when the embedding has spare rows.
+TARGET_ARCHS: dict[str, dict] = {
+    "Qwen/Qwen3-4B": dict(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=40960, tie_word_embeddings=True, tokenizer_len=151669),
+    "Qwen/Qwen3-8B": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=40960, tie_word_embeddings=False, tokenizer_len=151669),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=False, tokenizer_len=128256),
+    # The text decoder of Qwen3.5-27B (a hybrid of linear-attention and full-attention layers; the
+    # full-attention layers' shapes are what the drafter copies). tokenizer_len is approximate: any
+    # value below vocab_size leaves the default mask row valid.
+    "Qwen/Qwen3.5-27B": dict(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
+        max_position_embeddings=262144, tie_word_embeddings=False, tokenizer_len=248077),
+}
+
+
+def known_target_config(path: str) -> dict | None:
+    """The table entry for a hub id (config.json fields only), or None."""
+    arch = TARGET_ARCHS.get(path)
+    return None if arch is None else {k: v for k, v in arch.items() if k != "tokenizer_len"}
+
+
+# ------------------------------------------------------------------------------------- FLOP model
+@dataclass(frozen=True)
+class Workload:
+    """FLOPs of one sample (packed batch) on each side."""
+
+    target_flops: float  # truncated target forward
+    drafter_flops: float  # drafter forward + backward + optimizer-free step
+
+    def rates(self, peak_tflops: float, target_mfu: float, drafter_mfu: float) -> tuple[float, float]:
+        """(target, drafter) samples/s per GPU at the assumed MFUs."""
+        peak = peak_tflops * 1e12
+        return peak * target_mfu / self.target_flops, peak * drafter_mfu / self.drafter_flops
+
+
+def workload(target_config: dict, layer_ids: list[int], shape: DrafterShape, seq_len: int, num_anchors: int,
+             block_size: int, doc_len: int = 1024) -> Workload:
+    """FLOPs per packed batch of `seq_len` tokens made of documents of `doc_len` tokens."""
+    tc = target_config
+    heads = tc["num_attention_heads"]
+    doc_len = max(1, min(doc_len, seq_len))
+    docs = [doc_len] * (seq_len // doc_len) + ([seq_len % doc_len] if seq_len % doc_len else [])
+    t = target_forward_flops(tc["hidden_size"], tc["intermediate_size"], max(layer_ids) + 1, heads,
+                             tc.get("num_key_value_heads") or heads, tc.get("head_dim") or tc["hidden_size"] // heads,
+                             seq_len, causal_pairs_packed(docs))
+    # A block sees on average half a document of context plus its own B x B block, in every layer.
+    visible = shape.num_layers * num_anchors * (doc_len / 2 * block_size + block_size * block_size)
+    d = drafter_matmul_flops(shape, seq_len, num_anchors, block_size) + drafter_attention_flops(shape, visible)
+    return Workload(t, d)
+
+
+# --------------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Layout:
+    target_gpus: int  # GPUs running only the target
+    drafter_gpus: int  # GPUs running only the drafter
+    shared_gpus: int  # GPUs running one target and one drafter process (0 or 1)
+    target_share: float  # fraction of the shared GPU's time the target gets (0 when none is shared)
+    samples_per_s: float  # predicted pipeline throughput: min(produced, consumed)
+
+    @property
+    def num_processes(self) -> int:
+        return self.target_gpus + self.drafter_gpus + 2 * self.shared_gpus
+
+    @property
+    def num_target_ranks(self) -> int:
+        return self.target_gpus + self.shared_gpus
+
+    def describe(self) -> str:
+        s = f"{self.target_gpus} target + {self.drafter_gpus} drafter GPUs"
+        if self.shared_gpus:
+            s += f" + 1 shared ({self.target_share:.0%} target)"
+        return s
+
+
+def whole_splits(world: int, t: float, d: float) -> list[Layout]:
+    """Every split of `world` GPUs into n >= 1 target and world - n >= 1 drafter GPUs."""
+    return [Layout(n, world - n, 0, 0.0, min(n * t, (world - n) * d)) for n in range(1, world)]
+
+
+def shared_splits(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
+    """Splits with one GPU shared by a target and a drafter process.
+
+    The shared GPU gives a fraction f of its time to the target and 1 - f to the drafter, and delivers
+    `efficiency` of a dedicated GPU's throughput overall (two processes contend for memory and SMs).
+    f is chosen to balance production and consumption: nt*t + e*f*t = nd*d + e*(1-f)*d.
+    """
+    out = []
+    for nt in range(world):
+        nd = world - 1 - nt
+        f = (nd * d + efficiency * d - nt * t) / (efficiency * (t + d))
+        f = min(1.0, max(0.0, f))
+        rate = min(nt * t + efficiency * f * t, nd * d + efficiency * (1 - f) * d)
+        if 0.0 < f < 1.0:  # at 0 or 1 one role gets nothing: a whole split describes it better
+            out.append(Layout(nt, nd, 1, f, rate))
+    return out
+
+
+def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
+    """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs)."""
+    if world < 2:
+        raise ValueError(f"world_size={world}: a split needs at least 2 GPUs.")
+    if t <= 0 or d <= 0:
+        raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
+    layouts = whole_splits(world, t, d) + shared_splits(world, t, d, efficiency)
+    return sorted(layouts, key=lambda lay: (-round(lay.samples_per_s, 9), lay.shared_gpus, lay.target_gpus))
+
+
+def best_whole_split(world: int, t: float, d: float) -> int:
+    """num_target_ranks of the best whole-GPU split (what `topology.num_target_ranks=auto` picks)."""
+    return max(whole_splits(world, t, d), key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
+
+
+def fluid_bound(world: int, t: float, d: float) -> float:
+    """Throughput if GPU time could be split freely between the roles."""
+    return world * t * d / (t + d)
+
+
+# ------------------------------------------------------------------------------- from a job config
+def job_workload(job, target_config: dict, doc_len: int = 1024) -> Workload:
+    from .target import default_layer_ids
+    from .trainer import build_drafter_args
+
+    layer_ids = (sorted(job.target.layer_ids) if job.target.layer_ids
+                 else default_layer_ids(target_config["num_hidden_layers"], job.target.num_capture))
+    mask = job.drafter.mask_token_id if job.drafter.mask_token_id is not None else 0
+    a = build_drafter_args(job.drafter, target_config, layer_ids, mask)
+    shape = DrafterShape(a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
+                         a.head_dim, a.vocab_size, a.num_target_layers)
+    return workload(target_config, layer_ids, shape, job.data.seq_len, job.drafter.num_anchors, a.block_size, doc_len)
+
+
+def target_config_for(job) -> dict:
+    """The target's config.json fields: from the table for known hub ids, else read (no weights)."""
+    from .target import load_target_config, resolve_path
+
+    return known_target_config(job.target.path) or load_target_config(resolve_path(job.target))
+
+
+# Assumed MFUs of the two roles when nothing is measured: the target is a plain forward of large
+# matmuls; the drafter step carries backward, masked attention and the CE.
+TARGET_MFU, DRAFTER_MFU = 0.6, 0.5
+
+
+def resolve_num_target_ranks(job, world_size: int) -> int:
+    """`topology.num_target_ranks`, with "auto" replaced by the best whole-GPU split's target count."""
+    n = job.topology.num_target_ranks
+    if n != "auto":
+        if isinstance(n, str):
+            raise ValueError(f"topology.num_target_ranks={n!r}: use an integer or 'auto'.")
+        return n
+    if world_size < 2:
+        return 1  # Topology.plan raises with the fix
+    t, d = job_workload(job, target_config_for(job)).rates(job.logging.peak_tflops, TARGET_MFU, DRAFTER_MFU)
+    n = best_whole_split(world_size, t, d)
+    log.info("topology.num_target_ranks=auto -> %d (estimated %.3g target, %.3g drafter samples/s per GPU)",
+             n, t, d)
+    return n
+
+
+# --------------------------------------------------------------------------------------- measure
+def measure_rates(job, target_config: dict, iters: int = 5) -> tuple[float, float]:
+    """(target, drafter) samples/s on the local accelerator (CPU when there is none), random weights."""
+    import torch
+
+    from .batch import HiddenBatch, PackedBatch
+    from .model import DFlashDrafter
+    from .target import TargetWorker, default_layer_ids, resolve_dtype, truncate
+    from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
+
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = resolve_dtype(job.target.dtype, dev)
+    tc = target_config
+    layer_ids = (sorted(job.target.layer_ids) if job.target.layer_ids
+                 else default_layer_ids(tc["num_hidden_layers"], job.target.num_capture))
+    T = job.data.seq_len
+    g = torch.Generator().manual_seed(0)
+    doc = min(1024, T)
+    pos = torch.arange(T) % doc
+    docs = torch.arange(T) // doc
+    ids = torch.randint(0, tc["vocab_size"] - 1, (T,), generator=g)
+    loss = (pos >= doc // 4).long()
+    pb = PackedBatch(ids, pos, docs, loss, int(docs.max()) + 1, T)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def rate(fn) -> float:
+        fn(), fn()  # warm-up (compile, autotune, allocator)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return iters / (time.perf_counter() - t0)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def time_target() -> tuple[float, HiddenBatch]:
+        # A Qwen3-architecture stand-in with the target's shapes (the FLOPs of a Llama layer are the
+        # same), built only up to the last captured layer; freed on return, before the drafter.
+        cfg = AutoConfig.for_model(**{"model_type": "qwen3", **tc})
+        cfg.num_hidden_layers = max(layer_ids) + 1
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(
+                cfg, dtype=dtype, attn_implementation="flex_attention" if dev.type == "cuda" else "sdpa")
+        truncate(model, max(layer_ids))
+        worker = TargetWorker(model.eval().requires_grad_(False), layer_ids, dev,
+                              compile=job.target.compile and dev.type == "cuda")
+        return rate(lambda: worker.forward(pb)), worker.forward(pb).to(dev, copy=True)
+
+    t_rate, hb = time_target()
+
+    mask = job.drafter.mask_token_id if job.drafter.mask_token_id is not None else tc["vocab_size"] - 1
+    args = build_drafter_args(job.drafter, tc, layer_ids, mask)
+    with torch.device(dev):
+        drafter = DFlashDrafter(args)
+        embed = torch.randn(tc["vocab_size"], tc["hidden_size"], dtype=dtype) * 0.02
+    objective = DFlashObjective(drafter, args, embed, embed, job.drafter)
+    trainer = DrafterTrainer(objective, job.train, 1000, None, dev)
+    d_rate = rate(lambda: trainer.train_step(hb))
+    return t_rate, d_rate
+
+
+# ------------------------------------------------------------------------------------------- CLI
+PLAN_KEYS = {"world_size": int, "peak_tflops": float, "target_mfu": float, "drafter_mfu": float,
+             "doc_len": int, "shared_efficiency": float}
+
+
+def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int) -> str:
+    best = layouts[0]
+    whole = best_whole_split(world, t, d)
+    lines = [
+        f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)",
+        f"fluid bound for {world} GPUs: {fluid_bound(world, t, d):.4g} samples/s",
+        "layouts considered (predicted samples/s):",
+    ]
+    for lay in layouts:
+        mark = "  <- best" if lay is best else ""
+        lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
+    lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} "
+                 f"(torchrun --nproc-per-node {world})")
+    if best.shared_gpus:
+        lines.append(
+            f"best overall shares one GPU: torchrun --nproc-per-node {best.num_processes} ... "
+            f"topology.num_target_ranks={best.num_target_ranks}  (ranks beyond the GPU count wrap onto "
+            "GPU 0, so the last rank, a drafter, shares GPU 0 with target rank 0 over the shm ring; "
+            "such a run uses gloo process groups, so the drafter all-reduce goes through host memory: "
+            "worth it only when the drafter's gradients are small next to its step time)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .config import compose
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    measure = "--measure" in argv
+    argv = [a for a in argv if a != "--measure"]
+    opts: dict = {"world_size": 8, "target_mfu": TARGET_MFU, "drafter_mfu": DRAFTER_MFU, "doc_len": 1024,
+                  "shared_efficiency": 0.9}
+    overrides = []
+    for a in argv:
+        key, _, val = a.partition("=")
+        if key in PLAN_KEYS:
+            opts[key] = PLAN_KEYS[key](val)
+        else:
+            overrides.append(a)
+    job = compose(overrides)
+    peak = opts.get("peak_tflops", job.logging.peak_tflops)
+    tcfg = target_config_for(job)
+    if measure:
+        t, d = measure_rates(job, tcfg)
+        print("measured on the local device")
+    else:
+        t, d = job_workload(job, tcfg, opts["doc_len"]).rates(peak, opts["target_mfu"], opts["drafter_mfu"])
+        print(f"estimated from FLOPs at {peak:g} TFLOP/s, MFU target {opts['target_mfu']:g} / "
+              f"drafter {opts['drafter_mfu']:g}")
+    world = opts["world_size"]
+    print(format_report(world, t, d, plan_layouts(world, t, d, opts["shared_efficiency"]), job.data.seq_len))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Nothing lost, nothing hangs: restarts, graceful stops, fast failure, fault injection.
+
+* Restart: under `torchrun --max-restarts N` a failed worker makes the agent restart every worker
+  with `TORCHELASTIC_RESTART_COUNT` > 0. Such a restart resumes as `checkpoint.resume=auto` (the
+  newest complete checkpoint under the checkpoint dir) whatever `checkpoint.resume` says, so a
+  crash costs at most the steps since the last checkpoint and never restarts training from zero.
+* Graceful stop: SIGTERM (what Slurm and the torchrun agent send) sets a flag. Every rank joins a
+  flag all-reduce (MAX, gloo control group) at check steps `c` (multiples of `logging.log_every`);
+  if any rank was signalled, the job stops after step `c + log_every`: the drafters train up to it,
+  write a checkpoint and exit 0; the targets stop sending at it. Drafters block on the check; targets
+  post it asynchronously at the top of step `c` and wait for it only at the top of step
+  `c + log_every`, so the check never drains the target -> drafter pipeline. The check is a
+  host-side gloo collective on a CPU tensor: no CUDA synchronisation on GPU.
+* Grace: from the first SIGTERM a watchdog thread gives the process `train.stop_grace_s`; a rank
+  still running then (stuck in a collective, a hung peer) logs and `os._exit(1)`s. The watchdog hears
+  the signal through `signal.set_wakeup_fd`, so it fires even while the main thread sits inside a
+  C++ collective that never returns to Python.
+* Fast failure: a rank whose role raises logs the error naming itself, records it for torchrun, and
+  `os._exit(1)`s without `destroy_process_group` (which can block on a dead peer); the agent then
+  tears the others down.
+* Faults for tests: `DFLASH_MP_FAULT=<rank>:<step>[:<action>]` makes global rank `<rank>`, on the
+  first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0), at step `<step>`:
+  `kill`       SIGKILL itself at the top of 0-based step `<step>` (after `<step>` steps are done);
+  `checkpoint` SIGKILL itself while writing the checkpoint of step `<step>`, between two files;
+  `hang`       stop at the top of step `<step>` and sleep forever (alive, silent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "DFLASH_MP_FAULT"
+FAULT_ACTIONS = ("kill", "checkpoint", "hang")
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def effective_resume(resume: str) -> str:
+    """`checkpoint.resume` as this attempt uses it: a torchrun restart always resumes `auto`."""
+    if restart_count() > 0 and resume != "auto":
+        return "auto"
+    return resume
+
+
+# ------------------------------------------------------------------------------------------ faults
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    action: str = "kill"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault | None":
+        if not spec:
+            return None
+        parts = spec.split(":")
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+            action = parts[2] if len(parts) > 2 else "kill"
+        except (IndexError, ValueError):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: use <rank>:<step>[:<action>], e.g. 0:5:kill") from None
+        if action not in FAULT_ACTIONS or len(parts) > 3:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: action must be one of {FAULT_ACTIONS}")
+        return cls(rank, step, action)
+
+
+def fault_from_env() -> Fault | None:
+    """The injected fault of this attempt, or None (always None after a restart)."""
+    return Fault.parse(os.environ.get(FAULT_ENV, "")) if restart_count() == 0 else None
+
+
+def maybe_fault(fault: Fault | None, rank: int, step: int, action: str) -> None:
+    if fault is None or (fault.rank, fault.step, fault.action) != (rank, step, action):
+        return
+    log.warning("FAULT %s: rank %d at step %d (t=%.3f)", action, rank, step, time.time())
+    _flush()
+    if action == "hang":
+        while True:  # alive but silent: only a signal's watchdog or SIGKILL ends this
+            time.sleep(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------- graceful stop
+class StopSignal:
+    """SIGTERM -> `requested`; from then on the process has `grace_s` to exit on its own."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.event = threading.Event()
+        self.received_at: float | None = None
+        self._rfd = self._wfd = None
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    def install(self) -> "StopSignal":
+        """Main thread only. Later handlers that chain to this one (the shm transport's) are fine."""
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._wfd, False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="dflash-stop-watchdog", daemon=True).start()
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        self.event.set()
+
+    def _watch(self) -> None:
+        # The C-level handler writes the signal number to the wakeup fd even while the main thread
+        # is blocked in C++ (it runs the Python handler only when it returns to the interpreter).
+        while True:
+            data = os.read(self._rfd, 64)
+            if signal.SIGTERM in data:
+                break
+        self.received_at = time.monotonic()
+        self.event.set()
+        log.warning("SIGTERM: stopping at the next agreed step with a checkpoint; hard exit in %.0f s",
+                    self.grace_s)
+        time.sleep(self.grace_s)
+        log.error("did not stop within train.stop_grace_s=%.0f s after SIGTERM (stuck on a peer?): exiting",
+                  self.grace_s)
+        _flush()
+        os._exit(1)
+
+
+class StopAgreement:
+    """Agree on a stop step over the control group (see the module docstring for the protocol)."""
+
+    def __init__(self, stop: StopSignal | None, group, every: int, start: int, num_steps: int):
+        self.stop, self.group, self.every = stop, group, max(1, every)
+        self.start, self.num_steps = start, num_steps
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.pending = None
+        self.stop_at: int | None = None
+
+    def _is_check(self, c: int) -> bool:
+        return self.start < c < self.num_steps and c % self.every == 0
+
+    def _local(self) -> int:
+        return int(self.stop is not None and self.stop.requested)
+
+    def drafter_after(self, done: int) -> bool:
+        """Drafter, after step `done`: True when the job stops here (checkpoint, then exit)."""
+        if done == self.stop_at:
+            return True
+        if self._is_check(done):
+            self.flag.fill_(self._local())
+            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+            if int(self.flag) and self.stop_at is None:
+                self.stop_at = min(done + self.every, self.num_steps)
+                log.warning("stop agreed: the job stops after step %d", self.stop_at)
+        return False
+
+    def target_before(self, step: int) -> bool:
+        """Target, at the top of step `step`: True when the drafters stop before consuming it."""
+        if not self._is_check(step):
+            return False
+        if self._wait():
+            self.stop_at = step
+            return True
+        self.flag.fill_(self._local())
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return False
+
+    def _wait(self) -> bool:
+        if self.pending is None:
+            return False
+        self.pending.wait()
+        self.pending = None
+        return bool(int(self.flag))
+
+    def finish(self) -> None:
+        """Target, after its loop: complete the check still in flight (its drafters are joining it)."""
+        self._wait()
+
+
+# ------------------------------------------------------------------------------------ data tally
+class DataTally:
+    """What a drafter consumed, on device (no host sync per step): documents, tokens and a
+    checksum of (token, position) pairs, summed over a logging interval. Summed over drafters and
+    logged per interval, it proves that no batch was skipped or repeated across a restart."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.docs = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.checksum = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def add(self, hb) -> None:
+        valid = hb.doc_ids >= 0
+        self.docs += (hb.doc_ids.max() + 1).clamp(min=0)
+        self.tokens += valid.sum()
+        self.checksum += ((hb.input_ids + 1) * (hb.position_ids + 1) * valid).sum()
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        """Device tensors `data_{docs,tokens,checksum}`, for the trainer's one metric all-reduce."""
+        out = {"data_docs": self.docs, "data_tokens": self.tokens, "data_checksum": self.checksum}
+        self.reset()
+        return out
+
+
+def batch_tally(pb) -> dict[str, float]:
+    """The same three numbers for one PackedBatch (test oracle, target logs)."""
+    valid = pb.doc_ids >= 0
+    return {"docs": float(pb.num_docs), "tokens": float(valid.sum()),
+            "checksum": float(((pb.input_ids + 1) * (pb.position_ids + 1) * valid).sum())}
+
+
+# ------------------------------------------------------------------------------------- fast exit
+def fail_fast(exc: BaseException, role: str, rank: int) -> None:
+    """Log the error naming this rank, leave it for torchrun's summary, and exit at once."""
+    log.error("%s rank %d failed: %s: %s", role, rank, type(exc).__name__, exc, exc_info=exc)
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)
+    except Exception:  # noqa: BLE001 - reporting must never keep a failed rank alive
+        pass
+    _flush()
+    os._exit(1)
+
+
+def _flush() -> None:
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except Exception:  # noqa: BLE001
+            pass

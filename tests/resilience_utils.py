@@ -1,0 +1,91 @@
+"""Helpers for the resilience tests: timed torchrun runs with injected faults and signals, and the
+data each drafter step must consume (computed without any model, from the data streams alone)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from dflash_mp.config import compose
+from dflash_mp.main import prepare
+from dflash_mp.resilience import FAULT_ENV, batch_tally
+from dflash_mp.topology import Topology
+
+from e2e_utils import scalars
+
+FAULT_RE = re.compile(r"FAULT (\w+): rank (\d+) at step (\d+) \(t=([\d.]+)\)")
+
+
+def start(nproc: int, overrides: list[str], fault: str = "", extra_args: list[str] | None = None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop(FAULT_ENV, None)
+    if fault:
+        env[FAULT_ENV] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *(extra_args or []), "-m", "dflash_mp.main", *overrides]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout: float = 240) -> tuple[int, str, float]:
+    """(returncode, combined output, time.time() at exit)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the torchrun agent started by this test, by its own handle
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun still running after {timeout} s (a hang):\n{out[-6000:]}") from None
+    return proc.returncode, out, time.time()
+
+
+def run(nproc: int, overrides: list[str], fault: str = "", extra_args: list[str] | None = None,
+        timeout: float = 240) -> tuple[int, str, float]:
+    return finish(start(nproc, overrides, fault, extra_args), timeout)
+
+
+def fault_time(out: str) -> float:
+    m = FAULT_RE.search(out)
+    assert m, f"the fault never fired:\n{out[-4000:]}"
+    return float(m.group(4))
+
+
+def expected_data(overrides: list[str], world: int, num_steps: int) -> dict[int, dict[str, float]]:
+    """Per drafter step (1-based): docs/tokens/checksum of the batches all drafters consume."""
+    from dflash_mp.data import build_stream
+
+    job = compose(overrides)
+    topo = Topology.plan(job.topology.num_target_ranks, 0, world)
+    _, tokenizer, tcfg, _, _ = prepare(job)
+    streams = {t: iter(build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"]))
+               for i, t in enumerate(topo.target_ranks)}
+    out = {}
+    for step in range(num_steps):
+        row = {"docs": 0.0, "tokens": 0.0, "checksum": 0.0}
+        for t in topo.target_ranks:
+            for _ in topo.sends_at_step(t, step):
+                for k, v in batch_tally(next(streams[t])).items():
+                    row[k] += v
+        out[step + 1] = row
+    return out
+
+
+def consumed(run_dir: str) -> dict[int, dict[str, float]]:
+    """Per logged step, what the drafters consumed; a restarted run appends, later rows win."""
+    return {r["step"]: {k: r[f"data/{k}"] for k in ("docs", "tokens", "checksum")}
+            for r in scalars(run_dir) if "data/docs" in r}
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """Direct children of the torchrun agent: its workers."""
+    with open(f"/proc/{agent_pid}/task/{agent_pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def signal_workers(agent_pid: int, sig=signal.SIGTERM) -> list[int]:
+    pids = worker_pids(agent_pid)
+    for pid in pids:  # only the workers of the agent this test started
+        os.kill(pid, sig)
+    return pids

@@ -1,0 +1,147 @@
+"""Offline features: dump the target's hidden states, then train drafter-only jobs from the files."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_mp.batch import HiddenBatch
+from dflash_mp.config import compose
+from dflash_mp.dump import (DumpConfig, bytes_per_token, check_disk, parse_args, run_dump, shard_name, shard_plan,
+                            write_shard)
+from dflash_mp.topology import FILES_SOURCE, Topology
+from dflash_mp.transport import SlotSpec, TransportConfig, build_transport, pair_kinds
+from dflash_mp.transport.files import FilesReceiver, batch_index
+
+from e2e_utils import SMALL, losses, torchrun
+
+T, H = 16, 6
+
+
+def fake_batch(i: int) -> HiddenBatch:
+    return HiddenBatch(hidden=torch.full((T, H), float(i)), input_ids=torch.full((T,), i),
+                       position_ids=torch.arange(T), doc_ids=torch.zeros(T, dtype=torch.long),
+                       loss_mask=torch.ones(T, dtype=torch.long), num_valid_tokens=T - i % 3)
+
+
+def fake_dump(d, per_rank: list[int], per_shard: int = 3) -> None:
+    """Batch j of dump rank r holds the value 100*r + j everywhere."""
+    shards = []
+    for r, n in enumerate(per_rank):
+        for i, (first, k) in enumerate(shard_plan(n, per_shard)):
+            write_shard(str(d / shard_name(r, i)), [fake_batch(100 * r + first + j) for j in range(k)],
+                        torch.float32, {})
+            shards.append({"file": shard_name(r, i), "rank": r, "index": i, "num_batches": k})
+    manifest = {"seq_len": T, "hidden_dim": H, "layer_ids": [1], "num_batches": sum(per_rank), "shards": shards}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_shard_plan_and_bytes_per_token():
+    assert shard_plan(7, 3) == [(0, 3), (3, 3), (6, 1)]
+    assert shard_plan(0, 3) == []
+    # Qwen3-8B, K=5, bf16: 5*4096*2 hidden bytes + 4 int64 token fields.
+    assert bytes_per_token(5 * 4096, torch.bfloat16) == 40960 + 32
+
+
+def test_parse_args_splits_dump_options():
+    cfg, rest = parse_args(["dump.dir=/x", "dump.batches_per_shard=5", "data.seq_len=64"])
+    assert (cfg.dir, cfg.batches_per_shard, rest) == ("/x", 5, ["data.seq_len=64"])
+    with pytest.raises(ValueError, match="dump.dir"):
+        parse_args(["data.seq_len=64"])
+    with pytest.raises(ValueError, match="dump.batches_per_shard"):
+        parse_args(["dump.dir=/x", "dump.bogus=1"])
+
+
+def test_disk_warning(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 90, 10))
+    with caplog.at_level(logging.WARNING):
+        assert not check_disk(str(tmp_path), 11)
+    assert "free" in caplog.text
+    assert check_disk(str(tmp_path), 10)
+
+
+def test_global_order_interleaves_dump_ranks(tmp_path):
+    fake_dump(tmp_path, [4, 3])
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    order = batch_index(m)
+    # batch 0 of rank 0, batch 0 of rank 1, batch 1 of rank 0, ...
+    assert order[:3] == [("r000-00000.safetensors", 0), ("r001-00000.safetensors", 0), ("r000-00000.safetensors", 1)]
+    assert order[-1] == ("r000-00001.safetensors", 0) and len(order) == 7
+
+
+def test_files_receiver_shards_batches_over_drafters_and_seeks(tmp_path):
+    fake_dump(tmp_path, [5])
+    spec = SlotSpec(T, H, torch.float32, "cpu")
+    seen = {}
+    for rank in (0, 1):
+        topo = Topology.plan(0, rank, 2, allow_no_target=True)
+        assert topo.source_for_step(rank, 3) == FILES_SOURCE and topo.sources[rank] == ()
+        cfg = TransportConfig(kind="files", files_dir=str(tmp_path))
+        with build_transport(cfg, topo, spec) as rx:
+            assert isinstance(rx, FilesReceiver)
+            got = [int(rx.recv(FILES_SOURCE).input_ids[0]) for _ in range(4)]
+            first = rx.recv(FILES_SOURCE)
+            assert first.hidden.data_ptr() == rx.recv(FILES_SOURCE).hidden.data_ptr()  # fixed buffers
+            rx.seek(1)
+            assert int(rx.recv().input_ids[0]) == got[1]
+            assert rx.stats()["bytes_received"] > 0
+            rx.expect_end(FILES_SOURCE)
+            rx.verify()
+        seen[rank] = got
+    # step s: drafter k takes global batch (2s + k) mod 5
+    assert seen == {0: [0, 2, 4, 1], 1: [1, 3, 0, 2]}
+
+
+def test_files_kind_needs_a_drafter_only_job(tmp_path):
+    fake_dump(tmp_path, [2])
+    with pytest.raises(ValueError, match="num_target_ranks=0"):
+        pair_kinds(TransportConfig(kind="files", files_dir=str(tmp_path)), Topology.plan(1, 0, 2))
+    with pytest.raises(ValueError, match="kind=files"):
+        pair_kinds(TransportConfig(kind="auto"), Topology.plan(0, 0, 2, allow_no_target=True))
+    with pytest.raises(ValueError, match="transport.kind=files"):
+        Topology.plan(0, 0, 2)
+    one = Topology.plan(0, 0, 1, allow_no_target=True)  # one process is a valid drafter-only job
+    with pytest.raises(ValueError, match="data.seq_len"):
+        FilesReceiver(str(tmp_path), one, SlotSpec(T + 1, H, torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="manifest.json"):
+        FilesReceiver(str(tmp_path / "nope"), one, SlotSpec(T, H, torch.float32, "cpu"))
+
+
+@pytest.mark.slow
+def test_dump_then_train_from_files_equals_streaming(tmp_path):
+    from dflash_mp.reference import reference_run
+
+    feats = tmp_path / "feats"
+    cfg = DumpConfig(dir=str(feats), batches_per_shard=3, max_batches=8)
+    m = run_dump(compose(SMALL), cfg)
+    assert m["num_batches"] == 8 and len(m["shards"]) == 3
+    assert m["bytes_per_token"] == m["hidden_dim"] * 4 + 32  # fp32 on CPU
+    assert set(m) >= {"layer_ids", "target_path", "data", "hidden_dtype", "seq_len"}
+
+    # Resumable: complete shards are kept as they are, a missing one is rewritten identically.
+    keep = feats / shard_name(0, 0)
+    gone = feats / shard_name(0, 2)
+    mtime, data = keep.stat().st_mtime_ns, load_file(gone)
+    gone.unlink()
+    run_dump(compose(SMALL), cfg)
+    assert keep.stat().st_mtime_ns == mtime
+    again = load_file(gone)
+    assert set(again) == set(data) and all(torch.equal(again[k], data[k]) for k in data)
+    assert not list(feats.glob("*.tmp"))
+
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", "train.max_steps=4"]
+    files = ["topology.num_target_ranks=0", "transport.kind=files", f"transport.files_dir={feats}"]
+    torchrun(2, ov + files)
+    assert os.path.exists(f"{run_dir}/export/model.safetensors")
+    got = losses(run_dir)
+    # The same batches, seeds and steps as a streaming job with one target and two drafters.
+    ref = reference_run(compose(ov + ["topology.num_target_ranks=1"]), 3)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, want in enumerate(ref["losses"], start=1):
+        assert abs(got[step] - want) <= 1e-5 * abs(want), (step, got[step], want)

@@ -1,0 +1,124 @@
+"""The split planner: pure layout arithmetic, checked by hand, and `topology.num_target_ranks=auto`."""
+
+import pytest
+
+from dflash_mp.config import compose
+from dflash_mp.flops import DrafterShape
+from dflash_mp.plan import (
+    Layout,
+    best_whole_split,
+    fluid_bound,
+    format_report,
+    plan_layouts,
+    resolve_num_target_ranks,
+    shared_splits,
+    whole_splits,
+    workload,
+)
+
+T, D = 10.4, 7.8  # samples/s per GPU: target, drafter
+
+
+def by_split(layouts):
+    return {(x.target_gpus, x.drafter_gpus, x.shared_gpus): x for x in layouts}
+
+
+def test_whole_gpu_splits_cap_near_31():
+    w = by_split(whole_splits(8, T, D))
+    assert w[(3, 5, 0)].samples_per_s == pytest.approx(31.2)  # targets limit: 3 * 10.4
+    assert w[(4, 4, 0)].samples_per_s == pytest.approx(31.2)  # drafters limit: 4 * 7.8
+    assert w[(2, 6, 0)].samples_per_s == pytest.approx(20.8)
+    assert len(w) == 7
+    assert best_whole_split(8, T, D) == 3  # tie at 31.2: fewer target GPUs
+
+
+def test_one_shared_gpu_reaches_the_fluid_bound():
+    # 3 target + 4 drafter GPUs + 1 shared: the target gets f = 7.8 / 18.2 = 3/7 of it, so
+    # production 31.2 + 10.4 * 3/7 = 35.657 = consumption 31.2 + 7.8 * 4/7 = 8 * 10.4 * 7.8 / 18.2.
+    s = by_split(shared_splits(8, T, D, efficiency=1.0))[(3, 4, 1)]
+    assert s.target_share == pytest.approx(3 / 7)
+    assert s.samples_per_s == pytest.approx(35.657, abs=1e-3)
+    assert fluid_bound(8, T, D) == pytest.approx(35.657, abs=1e-3)
+    # Contention: the shared GPU delivers 90%: f = 7.02 / 16.38 = 3/7 still, rate 31.2 + 0.9 * 10.4 * 3/7.
+    s = by_split(shared_splits(8, T, D, efficiency=0.9))[(3, 4, 1)]
+    assert s.samples_per_s == pytest.approx(35.211, abs=1e-3)
+    best = plan_layouts(8, T, D, efficiency=0.9)[0]
+    assert (best.target_gpus, best.drafter_gpus, best.shared_gpus) == (3, 4, 1)
+    assert (best.num_processes, best.num_target_ranks) == (9, 4)
+
+
+def test_shared_layouts_only_where_both_roles_get_time():
+    for lay in shared_splits(8, T, D):
+        assert 0 < lay.target_share < 1 and lay.target_gpus + lay.drafter_gpus == 7
+    # Rates that divide evenly: 2 targets feed 6 drafters exactly; sharing cannot beat it.
+    best = plan_layouts(8, 9.0, 3.0, efficiency=1.0)[0]
+    assert (best.target_gpus, best.drafter_gpus, best.shared_gpus) == (2, 6, 0)
+    assert best.samples_per_s == pytest.approx(18.0)
+
+
+def test_report_lists_every_layout():
+    layouts = plan_layouts(8, T, D)
+    text = format_report(8, T, D, layouts, 3072)
+    assert text.count("samples/s") >= 3 and "<- best" in text
+    assert len([ln for ln in text.splitlines() if "GPUs" in ln and ln.startswith("  ")]) == len(layouts)
+    assert "topology.num_target_ranks=3" in text and "--nproc-per-node 9" in text
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="world_size=1"):
+        plan_layouts(1, T, D)
+    with pytest.raises(ValueError, match="positive"):
+        plan_layouts(8, 0.0, D)
+
+
+def test_flop_workload_by_hand():
+    # One drafter layer of width 8, two captured target layers, no attention cost to speak of.
+    shape = DrafterShape(hidden=8, intermediate=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
+                         vocab=32, num_target_layers=2)
+    tc = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    w = workload(tc, [0, 1], shape, seq_len=4, num_anchors=1, block_size=2, doc_len=4)
+    # Target: 2 layers x (4 tokens x (2*8*(8+8) + 2*8*8 + 2*3*8*16) + 4*2*4 * 10 causal pairs)
+    assert w.target_flops == 2 * (4 * (256 + 128 + 768) + 32 * 10)
+    t, d = w.rates(1.0, 0.5, 0.5)
+    assert t == pytest.approx(0.5e12 / w.target_flops) and d == pytest.approx(0.5e12 / w.drafter_flops)
+
+
+def test_num_target_ranks_auto_resolves_from_flops():
+    job = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto"])
+    assert job.topology.num_target_ranks == "auto"
+    n = resolve_num_target_ranks(job, 8)
+    assert 1 <= n <= 7
+    layouts = plan_layouts(8, *_rates(job))
+    assert n == max((x for x in layouts if not x.shared_gpus), key=lambda x: x.samples_per_s).target_gpus
+    assert resolve_num_target_ranks(compose(["topology.num_target_ranks=2"]), 8) == 2
+    with pytest.raises(ValueError, match="'auto'"):
+        resolve_num_target_ranks(compose(["topology.num_target_ranks=half"]), 8)
+
+
+def _rates(job):
+    from dflash_mp.plan import DRAFTER_MFU, TARGET_MFU, job_workload, target_config_for
+
+    return job_workload(job, target_config_for(job)).rates(790.0, TARGET_MFU, DRAFTER_MFU)
+
+
+def test_cli_prints_layouts(capsys):
+    from dflash_mp.plan import main
+
+    main(["target=qwen3_8b", "drafter=qwen3_8b", "world_size=8", "data.seq_len=3072", "peak_tflops=790",
+          "target_mfu=0.6", "drafter_mfu=0.5"])
+    out = capsys.readouterr().out
+    assert "recommended whole-GPU split: topology.num_target_ranks=" in out
+    assert out.count("target +") >= 7
+
+
+def test_measure_runs_on_this_device():
+    from dflash_mp.plan import measure_rates, target_config_for
+
+    job = compose(["data.seq_len=64", "drafter.num_anchors=8", "drafter.loss_chunk_size=32", "train.compile=eager"])
+    t, d = measure_rates(job, target_config_for(job), iters=1)
+    assert t > 0 and d > 0
+
+
+def test_layout_properties():
+    lay = Layout(3, 4, 1, 0.4, 35.0)
+    assert lay.num_processes == 9 and lay.num_target_ranks == 4 and "1 shared (40% target)" in lay.describe()

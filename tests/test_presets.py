@@ -1,0 +1,71 @@
+"""Every experiment preset composes and validates against its target's architecture, with no weights."""
+
+import pytest
+import torch
+
+from dflash_mp.config import compose
+from dflash_mp.main import validate
+from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.plan import TARGET_ARCHS, job_workload, known_target_config
+from dflash_mp.trainer import build_drafter_args
+
+
+class FakeTokenizer:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def analytic_params(a: DrafterArgs) -> int:
+    """Drafter parameters from the architecture alone (without the target's embedding and head)."""
+    h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * a.intermediate_size + 2 * h + 2 * a.head_dim
+    return a.num_layers * per_layer + a.num_target_layers * h * h + 2 * h  # fc, hidden_norm, norm
+
+
+# experiment -> (target layer ids, mask token id, block size, drafter parameters in billions)
+PRESETS = {
+    "qwen3_4b": ([1, 9, 17, 25, 33], 151669, 16, 0.54),
+    "qwen3_8b": ([1, 9, 17, 25, 33], 151669, 16, 1.05),
+    "llama3_1_8b_instruct": ([1, 8, 15, 22, 29], 128002, 16, 1.17),
+    "qwen3_5_27b": ([1, 16, 31, 46, 61], 248077, 16, 1.73),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_composes_and_validates(name):
+    ids, mask, block, billions = PRESETS[name]
+    job = compose([f"experiment={name}"])
+    assert job.name == name and job.data.seq_len == 3072
+    tcfg = known_target_config(job.target.path)
+    assert tcfg is not None, f"add {job.target.path} to dflash_mp.plan.TARGET_ARCHS"
+    tok = FakeTokenizer(TARGET_ARCHS[job.target.path]["tokenizer_len"])
+    layer_ids, mask_id = validate(job, tcfg, tok)
+    assert (layer_ids, mask_id) == (ids, mask)
+    args = build_drafter_args(job.drafter, tcfg, layer_ids, mask_id)
+    assert isinstance(args, DrafterArgs) and args.block_size == block
+    with torch.device("meta"):
+        drafter = DFlashDrafter(args)
+    n = sum(p.numel() for p in drafter.parameters())
+    assert n == analytic_params(args)
+    assert abs(n / 1e9 - billions) < 0.01, n
+    t, d = job_workload(job, tcfg).rates(790.0, 0.6, 0.5)
+    assert t > 0 and d > 0
+
+
+def test_27b_drafter_mixes_sliding_and_full_attention():
+    job = compose(["experiment=qwen3_5_27b"])
+    assert job.topology.num_target_ranks == "auto"
+    tcfg = known_target_config(job.target.path)
+    args = build_drafter_args(job.drafter, tcfg, [1, 16, 31, 46, 61], 248077)
+    assert args.has_sliding and args.sliding_window == 2048
+    assert set(args.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_llama_without_mask_token_names_the_fix():
+    job = compose(["experiment=llama3_1_8b_instruct", "drafter.mask_token_id=null"])
+    tcfg = known_target_config(job.target.path)
+    with pytest.raises(ValueError, match="drafter.mask_token_id"):
+        validate(job, tcfg, FakeTokenizer(128256))

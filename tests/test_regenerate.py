@@ -1,0 +1,83 @@
+"""Regeneration: output format, resumability (skip rows already written, cut a torn line), determinism."""
+
+import json
+
+import pytest
+
+from dflash_mp.regenerate import conversation_key, main, split_overrides
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell cat."},
+                  {"role": "assistant", "content": "c-a-t"}, {"role": "user", "content": "Backwards?"},
+                  {"role": "assistant", "content": "t-a-c"}]},
+    {"messages": []},  # bad: empty
+    {"messages": [{"role": "user", "content": "Sort 3, 1, 2."}, {"role": "assistant", "content": "1, 2, 3"}]},
+    {"messages": [{"role": "user", "content": "no reply"}]},  # bad: no assistant turn
+    {"conversations": [{"from": "human", "value": "Hi!"}, {"from": "gpt", "value": "Hello."}]},
+    {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "five"}]},
+]
+NUM_GOOD = 5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("regen")
+    path = d / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return d, path
+
+
+def run(data_path, out, cache, capsys, *extra):
+    main([f"data.path={data_path}", f"out={out}", f"target.cache_dir={cache}", "max_new_tokens=6",
+          "batch_size=2", *extra])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_resume_format_and_determinism(data, capsys):
+    d, path = data
+    out, cache = d / "out.jsonl", d / "cache"
+    first = run(path, out, cache, capsys, "data.max_rows=2")
+    assert first["written"] == 2 and "skipped_done" not in first
+    second = run(path, out, cache, capsys)
+    assert second["skipped_done"] == 2 and second["written"] == NUM_GOOD - 2
+    assert second["bad/empty"] == 1 and second["bad/no_assistant"] == 1
+    rows = read(out)
+    assert len(rows) == NUM_GOOD
+    good = [r for r in ROWS if r.get("messages") and any(m["role"] == "assistant" for m in r["messages"])
+            or "conversations" in r]
+    for row, src in zip(rows, good):
+        assert set(row) == {"messages"}
+        msgs = row["messages"]
+        src_msgs = src.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}[m["from"]],
+                                            "content": m["value"]} for m in src["conversations"]]
+        assert [m["role"] for m in msgs] == [m["role"] for m in src_msgs]
+        # Only the assistant turns change; the rest is kept verbatim.
+        assert conversation_key(msgs) == conversation_key(src_msgs)
+        assert all(isinstance(m["content"], str) for m in msgs)
+    # A torn last line (crash mid-write) is cut off and only its row is regenerated.
+    text = out.read_text()
+    lines = text.splitlines(keepends=True)
+    out.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    third = run(path, out, cache, capsys)
+    assert third["written"] == 1 and third["skipped_done"] == NUM_GOOD - 1
+    assert read(out) == rows
+
+    # Greedy is deterministic and independent of batching: a fresh unbatched run (no padding)
+    # writes what the resumed, left-padded batches of two wrote.
+    fresh = d / "fresh.jsonl"
+    run(path, fresh, cache, capsys, "batch_size=1")
+    assert read(fresh) == rows
+
+
+def test_overrides_split_between_tool_and_job():
+    from dflash_mp.regenerate import RegenConfig
+
+    mine, job = split_overrides(["out=x.jsonl", "temperature=0.7", "data.path=y", "target.path=z"], RegenConfig)
+    assert mine == {"out": "x.jsonl", "temperature": "0.7"} and job == ["data.path=y", "target.path=z"]
+    with pytest.raises(ValueError, match="out="):
+        main(["data.path=builtin:demo"])

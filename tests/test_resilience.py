@@ -1,0 +1,313 @@
+"""Nothing lost, nothing hangs: crashes restart and resume exactly, checkpoints stay atomic, dead or
+silent peers end every rank within a bound, bad input fails early, SIGTERM stops cleanly."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_mp import checkpoint as ckpt
+from dflash_mp.config import compose
+from dflash_mp.main import prepare, validate
+from dflash_mp.resilience import Fault, StopAgreement, effective_resume, fault_from_env
+
+from dist_utils import run_ranks
+from e2e_utils import SMALL, losses, scalars
+from resilience_utils import consumed, expected_data, fault_time, finish, run, signal_workers, start
+
+STEPS = 8
+CRASH = SMALL + ["topology.num_target_ranks=1", f"train.max_steps={STEPS}", "checkpoint.every=2",
+                 "checkpoint.keep=2", "transport.timeout_s=30", "topology.timeout_s=30", "train.stop_grace_s=10"]
+
+
+def close(a, b, rel=1e-5):
+    return (a - b).norm().item() <= rel * max(b.norm().item(), 1e-12)
+
+
+# ------------------------------------------------------------------------------------ fast: units
+def test_fault_spec_parses_and_is_off_after_a_restart(monkeypatch):
+    assert Fault.parse("2:5") == Fault(2, 5, "kill")
+    assert Fault.parse("0:3:hang") == Fault(0, 3, "hang")
+    assert Fault.parse("") is None
+    for bad in ("x", "1", "1:2:explode", "1:2:kill:4"):
+        with pytest.raises(ValueError, match="DFLASH_MP_FAULT"):
+            Fault.parse(bad)
+    monkeypatch.setenv("DFLASH_MP_FAULT", "1:4:checkpoint")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert fault_from_env() == Fault(1, 4, "checkpoint")
+    assert effective_resume("") == ""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fault_from_env() is None  # the restarted attempt must run clean
+    assert effective_resume("") == "auto" and effective_resume("/some/step_00000002") == "auto"
+
+
+@pytest.mark.parametrize("override,match", [
+    ("target.layer_ids=[1,6]", r"target.layer_ids=\[1, 6\].*0\.\.5"),
+    ("drafter.mask_token_id=100000", "mask_token_id=100000 is outside"),
+    ("drafter.num_kv_heads=3", "not divisible by num_kv_heads=3"),
+    ("data.seq_len=16 drafter.block_size=10", "shorter than two blocks"),
+])
+def test_target_contradicting_the_drafter_config_is_a_value_error(override, match):
+    with pytest.raises(ValueError, match=match):
+        prepare(compose(override.split()))
+
+
+def test_tokens_outside_the_drafter_vocabulary_are_a_counted_skip():
+    from dflash_mp.data import load_conversations, tokenize_dataset
+
+    job = compose(["data.max_rows=40"])
+    _, tok, tcfg, _, _ = prepare(job)
+    assert validate(job, tcfg, tok)
+    kept, skipped = tokenize_dataset(load_conversations(job.data), tok, job.data, tcfg["vocab_size"])
+    assert len(kept) == 40 and not skipped  # roles.run_target passes the target's vocabulary
+    limit = sorted(max(r) for r in kept["input_ids"])[20]  # a vocabulary that half the rows overflow
+    kept, skipped = tokenize_dataset(load_conversations(job.data), tok, job.data, limit)
+    assert skipped["token_out_of_vocab"] == 40 - len(kept) > 0
+
+
+def write_ckpt(root, step, ranks=(1, 2), world=3):
+    tmp = ckpt.tmp_dir(root, step)
+    os.makedirs(tmp, exist_ok=True)
+    ckpt.save_file({"w": torch.ones(2)}, os.path.join(tmp, "drafter.pt"))
+    for r in ranks:
+        ckpt.save_file({"cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{r}.pt"))
+    return ckpt.commit(root, step, {"num_steps": 8, "world_size": world}, keep=5)
+
+
+def test_missing_or_corrupt_resume_checkpoint_fails_validation(tmp_path):
+    root = str(tmp_path / "ck")
+    path = write_ckpt(root, 4)
+    assert ckpt.validate_resume(path, root, (1, 2), 3) == path
+    assert ckpt.validate_resume("auto", root, (1, 2), 3) == path
+    with pytest.raises(ValueError, match="does not exist"):
+        ckpt.validate_resume(str(tmp_path / "nope"), root, (1, 2), 3)
+    with pytest.raises(ValueError, match="3-rank job"):
+        ckpt.validate_resume(path, root, (1, 2, 3), 4)
+    with pytest.raises(ValueError, match="no rng_rank3.pt"):
+        ckpt.validate_resume(path, root, (1, 2, 3), 3)
+    with open(os.path.join(path, "drafter.pt"), "r+b") as f:  # torn: the zip directory is gone
+        f.truncate(40)
+    with pytest.raises(ValueError, match="drafter.pt is corrupt"):
+        ckpt.validate_resume(path, root, (1, 2), 3)
+    with open(os.path.join(path, ckpt.MANIFEST), "w") as f:
+        f.write("{")
+    with pytest.raises(ValueError, match="corrupt manifest"):
+        ckpt.validate_resume(path, root, (1, 2), 3)
+
+
+def test_keep_prunes_old_checkpoints_and_torn_writes(tmp_path):
+    root = str(tmp_path)
+    for s in (2, 4, 6):
+        write_ckpt(root, s)
+    os.makedirs(ckpt.tmp_dir(root, 5))  # a write killed at step 5: older than the newest, pruned
+    write_ckpt(root, 8)
+    ckpt.prune(root, keep=2)
+    assert sorted(os.listdir(root)) == ["step_00000006", "step_00000008"]
+
+
+def _stop_agreement(rank, world, every, num_steps, signalled_rank, signal_at, targets):
+    """Targets and drafters run their halves of the stop protocol; returns each one's stop step."""
+    group = torch.distributed.new_group(list(range(world)), backend="gloo")
+
+    class Flag:
+        requested = False
+
+    flag = Flag()
+    agree = StopAgreement(flag, group, every, 0, num_steps)
+    if rank < targets:
+        for step in range(num_steps):
+            if rank == signalled_rank and step >= signal_at:
+                flag.requested = True
+            if agree.target_before(step):
+                agree.finish()
+                return step
+        agree.finish()
+        return num_steps
+    for step in range(num_steps):
+        time.sleep(0.01)  # drafters lag the targets, as they do for real
+        if rank == signalled_rank and step >= signal_at:
+            flag.requested = True
+        if agree.drafter_after(step + 1):
+            return step + 1
+    return num_steps
+
+
+@pytest.mark.parametrize("signalled_rank,signal_at,want", [(0, 7, 12), (2, 3, 8), (2, 17, 20), (-1, 0, 20)])
+def test_every_rank_agrees_on_the_same_stop_step(signalled_rank, signal_at, want):
+    got = run_ranks(_stop_agreement, 3, 4, 20, signalled_rank, signal_at, 1, timeout=60)
+    assert got == [want] * 3
+
+
+def _sleep_after_sigterm(grace):
+    from dflash_mp.resilience import StopSignal
+
+    StopSignal(grace).install()
+    print("ready", flush=True)
+    while True:  # a rank stuck forever: only the watchdog ends it
+        time.sleep(0.5)
+
+
+def test_sigterm_watchdog_ends_a_stuck_rank_after_the_grace_period():
+    code = "import sys; sys.path.insert(0, %r); import test_resilience as t; t._sleep_after_sigterm(1.0)"
+    proc = subprocess.Popen([sys.executable, "-c", code % os.path.dirname(__file__)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 1
+    assert time.monotonic() - t0 < 3.0
+
+
+# ----------------------------------------------------------------------- slow: real torchrun runs
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted job: the one-process reference (== torchrun, see test_e2e) and the data
+    every drafter step must consume."""
+    from dflash_mp.reference import reference_run
+
+    ov = CRASH + [f"run_dir={tmp_path_factory.mktemp('ref')}"]
+    ref = reference_run(compose(ov), 3)
+    return ref, expected_data(ov, 3, STEPS)
+
+
+def check_exact_resume(run_dir, out, ref, data, resumed_from):
+    assert f"resumed from {run_dir}/checkpoints/step_{resumed_from:08d} at step {resumed_from}" in out, out[-4000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, want in enumerate(ref["losses"], start=1):
+        assert abs(got[step] - want) <= 1e-5 * abs(want), (step, got[step], want)
+    final = torch.load(f"{run_dir}/checkpoints/step_{STEPS:08d}/drafter.pt", weights_only=False)["drafter"]
+    for name, want in ref["state"].items():
+        assert close(final[name], want), name
+    # Every batch of the plan consumed exactly once: per step, the same documents, tokens and
+    # (token, position) checksum as the uninterrupted plan; nothing skipped, nothing repeated.
+    seen = consumed(run_dir)
+    assert seen == data
+    assert sum(r["docs"] for r in seen.values()) == sum(r["docs"] for r in data.values())
+    # Rows logged by the first attempt after the checkpoint were redone, with identical data.
+    rows = [r for r in scalars(run_dir) if r["step"] > resumed_from]
+    assert len(rows) > STEPS - resumed_from
+
+
+@pytest.mark.slow
+def test_target_killed_mid_run_restarts_and_matches_the_uninterrupted_run(tmp_path, uninterrupted):
+    ref, data = uninterrupted
+    run_dir = str(tmp_path / "run")
+    rc, out, _ = run(3, CRASH + [f"run_dir={run_dir}"], fault="0:5:kill", extra_args=["--max-restarts=1"])
+    assert rc == 0, out[-6000:]
+    assert "FAULT kill: rank 0 at step 5" in out and "torchrun restart 1" in out
+    resumed = int(re.search(r"resumed from .*step_(\d{8}) at step", out).group(1))
+    assert resumed in (2, 4)  # the target runs ahead: drafters had finished step 2 or 4
+    check_exact_resume(run_dir, out, ref, data, resumed)
+
+
+@pytest.mark.slow
+def test_drafter_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, uninterrupted):
+    ref, data = uninterrupted
+    run_dir = str(tmp_path / "run")
+    # Rank 1, the drafter leader, dies at step 4 after its rng file and before drafter.pt.
+    rc, out, _ = run(3, CRASH + [f"run_dir={run_dir}"], fault="1:4:checkpoint", extra_args=["--max-restarts=1"])
+    assert rc == 0, out[-6000:]
+    assert "FAULT checkpoint: rank 1 at step 4" in out
+    check_exact_resume(run_dir, out, ref, data, resumed_from=2)
+    assert sorted(os.listdir(f"{run_dir}/checkpoints")) == ["step_00000006", "step_00000008"]  # keep=2
+
+
+HANG = SMALL + ["train.max_steps=12", "transport.timeout_s=6", "topology.timeout_s=12", "train.stop_grace_s=5"]
+
+
+@pytest.mark.slow
+def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
+    rc, out, end = run(2, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="0:3:hang")
+    took = end - fault_time(out)
+    print(f"job ended {took:.1f} s after the fault")
+    assert rc != 0
+    assert "drafter rank 1 failed" in out and "no data from target rank 0 for 6 s" in out, out[-4000:]
+    assert took < 6 + 15, took  # transport timeout, then the failed drafter's exit and teardown
+
+
+@pytest.mark.slow
+def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path):
+    # Rank 2 hangs: the target waits for its credit, drafter 1 waits in the gradient all-reduce.
+    rc, out, end = run(3, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="2:3:hang")
+    took = end - fault_time(out)
+    print(f"job ended {took:.1f} s after the fault")
+    assert rc != 0
+    assert "target rank 0 failed" in out and "no credit from drafter rank 2" in out, out[-4000:]
+    assert took < 12 + 15, took  # bounded by the process-group timeout at worst
+
+
+@pytest.mark.slow
+def test_dead_drafter_without_restart_ends_the_job_promptly(tmp_path):
+    rc, out, end = run(2, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="1:3:kill")
+    took = end - fault_time(out)
+    print(f"job ended {took:.1f} s after the fault")
+    assert rc != 0
+    assert re.search(r"rank\s*: 1 .*\n.*\n.*exitcode\s*: -9", out) or "drafter rank 1" in out, out[-4000:]
+    assert took < 15, took
+
+
+@pytest.mark.slow
+def test_bad_target_layer_ids_fail_before_any_process_group(tmp_path):
+    t0 = time.time()
+    rc, out, end = run(2, SMALL + [f"run_dir={tmp_path}", "target.layer_ids=[1,9]"], timeout=120)
+    assert rc != 0
+    assert "target.layer_ids=[1, 9]: ids must be distinct and in 0..5" in out, out[-4000:]
+    assert "topology:" not in out  # rank 0 logs the topology right after the groups exist
+    assert end - t0 < 60
+
+
+def demo_with_bad_rows(path):
+    from dflash_mp.data.chat import load_conversations  # noqa: F401 - the demo file is the package's
+
+    src = os.path.join(os.path.dirname(__import__("dflash_mp").__file__), "assets", "demo_chat.jsonl")
+    rows = open(src).read().splitlines()[:120]
+    bad = ["{not json", json.dumps({"messages": []}), json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+           json.dumps({"other": 1})]
+    with open(path, "w") as f:
+        f.write("\n".join(rows[:60] + bad + rows[60:]) + "\n")
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_zero_and_resume_continues(tmp_path):
+    data = str(tmp_path / "chat.jsonl")
+    demo_with_bad_rows(data)
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", f"data.path={data}", "data.max_rows=0", "topology.num_target_ranks=1",
+                  "train.max_steps=24", "logging.log_every=2", "checkpoint.every=0", "train.stop_grace_s=20"]
+    proc = start(3, ov)
+    jsonl = f"{run_dir}/tb/drafter/scalars.jsonl"
+    deadline = time.time() + 120
+    while not (os.path.exists(jsonl) and any(json.loads(x)["step"] >= 4 for x in open(jsonl))):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
+        time.sleep(0.2)
+    t0 = time.time()
+    signal_workers(proc.pid)  # Slurm signals every process of the step
+    rc, out, end = finish(proc, timeout=60)
+    assert rc == 0, out[-6000:]
+    print(f"stopped {end - t0:.1f} s after SIGTERM")
+    assert end - t0 < 20, end - t0  # within train.stop_grace_s
+    stopped = int(re.search(r"stopped at step (\d+) of 24 \(SIGTERM\)", out).group(1))
+    assert 4 < stopped < 24 and stopped % 2 == 0
+    assert ckpt.resolve_resume("auto", f"{run_dir}/checkpoints").endswith(f"step_{stopped:08d}")
+    assert not os.path.exists(f"{run_dir}/export")  # only a finished run exports
+    # Skipped rows: visible in TensorBoard (target writer) and at exit.
+    trow = scalars(run_dir, "target")[-1]
+    assert trow["data/skipped_invalid_json"] == 1 and trow["data/skipped_empty"] == 1
+    assert trow["data/skipped_no_assistant"] == 1 and trow["data/skipped_missing_field"] == 1
+    assert "data set: 4 rows skipped" in out
+
+    rc, out, _ = run(3, ov + ["checkpoint.resume=auto"])
+    assert rc == 0, out[-6000:]
+    assert f"at step {stopped}" in out
+    seen = consumed(run_dir)
+    want = expected_data(ov, 3, 24)
+    for step in range(2, 25, 2):  # rows cover two steps each
+        assert seen[step] == {k: want[step - 1][k] + want[step][k] for k in want[step]}, step
+    assert os.path.exists(f"{run_dir}/export/model.safetensors")
