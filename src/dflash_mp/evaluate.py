@@ -52,7 +52,7 @@ def _good_conversations(job, tokenizer, vocab_limit: int) -> list[list[dict[str,
 
     from .data import split_eval
     from .data.chat import BadRow, ChatEncoder, load_conversations
-    from .regenerate import row_messages
+    from .data.chat import row_messages
 
     encoder = ChatEncoder(tokenizer, vocab_limit, job.data.messages_field)
     good = []

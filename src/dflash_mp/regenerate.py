@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .data.chat import row_messages
+
 log = logging.getLogger(__name__)
 
 
@@ -76,25 +78,6 @@ def build_own(own: type, values: dict[str, str]):
 def conversation_key(messages: list[dict[str, str]]) -> str:
     """What regeneration leaves unchanged: the non-assistant turns and where the replies go."""
     return json.dumps([(m["role"], m["content"] if m["role"] != "assistant" else None) for m in messages])
-
-
-def row_messages(row: dict, messages_field: str) -> list[dict[str, str]]:
-    """The normalised conversation of a raw data row; raises `BadRow`."""
-    from .data.chat import RAW_COLUMN, BadRow, normalize_messages
-
-    if RAW_COLUMN in row:
-        try:
-            row = json.loads(row[RAW_COLUMN].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise BadRow("invalid_utf8") from None
-        except ValueError:
-            raise BadRow("invalid_json") from None
-        if not isinstance(row, dict):
-            raise BadRow("row_not_object")
-    for name in (messages_field, "conversations"):
-        if row.get(name) is not None:
-            return normalize_messages(row[name])
-    raise BadRow("missing_field")
 
 
 def done_keys(path: str) -> Counter:

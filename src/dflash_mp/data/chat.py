@@ -201,6 +201,29 @@ def _match_reply(text: str, start: int, full: str, answer: str, end_marker: str)
     return None
 
 
+def raw_messages(row: dict, messages_field: str):
+    """The conversation field of a data row, as stored (a raw JSON line is parsed first); raises
+    `BadRow`. ShareGPT's `conversations` is read when `messages_field` is absent."""
+    if RAW_COLUMN in row:
+        try:
+            row = json.loads(row[RAW_COLUMN].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise BadRow("invalid_utf8") from None
+        except ValueError:
+            raise BadRow("invalid_json") from None
+        if not isinstance(row, dict):
+            raise BadRow("row_not_object")
+    for field in (messages_field, "conversations"):
+        if row.get(field) is not None:
+            return row[field]
+    raise BadRow("missing_field")
+
+
+def row_messages(row: dict, messages_field: str) -> list[dict[str, str]]:
+    """The normalised conversation of a data row; raises `BadRow`."""
+    return normalize_messages(raw_messages(row, messages_field))
+
+
 class ChatEncoder:
     """Tokenizes conversations with `tokenizer`'s chat template; callable as a batched `Dataset.map`."""
 
@@ -303,19 +326,7 @@ class ChatEncoder:
         return ids, mask
 
     def encode_row(self, row: dict) -> tuple[list[int], list[int]]:
-        if RAW_COLUMN in row:
-            try:
-                row = json.loads(row[RAW_COLUMN].decode("utf-8"))
-            except UnicodeDecodeError:
-                raise BadRow("invalid_utf8") from None
-            except ValueError:
-                raise BadRow("invalid_json") from None
-            if not isinstance(row, dict):
-                raise BadRow("row_not_object")
-        for field in (self.messages_field, "conversations"):
-            if row.get(field) is not None:
-                return self.encode_messages(row[field])
-        raise BadRow("missing_field")
+        return self.encode_messages(raw_messages(row, self.messages_field))
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "loss_mask": [], "skip_reason": []}
