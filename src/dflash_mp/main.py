@@ -38,10 +38,14 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_backend(name: str, device: torch.device, local_world: int) -> str:
+def resolve_backend(name: str, device: torch.device, local_world: int, transport_kind: str = "auto") -> str:
     """nccl when every rank owns a GPU; gloo on CPU and when ranks share GPUs (NCCL cannot pair
     two ranks on one device: such runs move hidden states over the shm ring)."""
     shared = device.type == "cuda" and local_world > torch.cuda.device_count()
+    if shared and transport_kind == "p2p":
+        raise ValueError(f"transport.kind=p2p with {local_world} ranks on {torch.cuda.device_count()} GPU(s): "
+                         "ranks that share a GPU can only exchange hidden states over the shm ring; "
+                         "use transport.kind=auto or shm.")
     if name == "auto":
         if shared:
             log.info("%d ranks share %d GPU(s): gloo process groups, shm transport",
@@ -120,7 +124,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     setup_logging(rank, "T" if topo.role == "target" else "D")
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
-    backend = resolve_backend(job.topology.backend, device, local_world)
+    backend = resolve_backend(job.topology.backend, device, local_world, job.transport.kind)
 
     target_path, tokenizer, target_config, layer_ids, mask_id = prepare(job)
     dtype = resolve_dtype(job.target.dtype, device)
