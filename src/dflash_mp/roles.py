@@ -204,6 +204,7 @@ def run_drafter(ctx: RunContext) -> None:
         stack.callback(bar.close)
         if lead:
             writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
+        ctx.graphs_after_warmup = compile_counts()["graphs"]  # also starts counting CUDA graph recordings
         t0, wait_s, last_logged = time.perf_counter(), 0.0, start
         fault = fault_from_env()
         agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
