@@ -17,25 +17,14 @@ from dflash_mp.model import (
     slot_weights,
 )
 
+from drafter_utils import tiny_args as shared_tiny_args  # noqa: E402
+
 H, K, V, B = 32, 3, 64, 4
 MASK_ID = 63
 
 
 def tiny_args(**overrides) -> DrafterArgs:
-    kwargs = dict(
-        hidden_size=H,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=V,
-        target_layer_ids=[1, 3, 5],
-        mask_token_id=MASK_ID,
-        block_size=B,
-    )
-    kwargs.update(overrides)
-    return DrafterArgs(**kwargs)
+    return shared_tiny_args(**{"vocab_size": V, "block_size": B, **overrides})
 
 
 MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)

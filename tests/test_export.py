@@ -13,25 +13,14 @@ from safetensors import safe_open
 from dflash_mp.export import args_from_config, export_drafter, load_exported
 from dflash_mp.model import DFlashDrafter, DrafterArgs, build_blocks
 
+from drafter_utils import tiny_args as shared_tiny_args  # noqa: E402
+
 H, K, V, B = 32, 3, 80, 4
 MASK_ID = 79
 
 
 def tiny_args(**overrides) -> DrafterArgs:
-    kwargs = dict(
-        hidden_size=H,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=V,
-        target_layer_ids=[1, 4, 6],
-        mask_token_id=MASK_ID,
-        block_size=B,
-    )
-    kwargs.update(overrides)
-    return DrafterArgs(**kwargs)
+    return shared_tiny_args(**{"vocab_size": V, "target_layer_ids": [1, 4, 6], "block_size": B, **overrides})
 
 
 def trained_like(args: DrafterArgs) -> DFlashDrafter:
