@@ -140,7 +140,9 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
                             world_size=world, timeout=timeout,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            # device_id binds NCCL eagerly; with gloo it would make new_group split a
+                            # gloo group, which torch 2.11 cannot (perform_nocolor_split)
+                            **({"device_id": device} if backend == "nccl" else {}))
     try:
         topo.init_groups(backend, timeout)
         if rank == 0:

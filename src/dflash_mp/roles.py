@@ -106,7 +106,7 @@ def run_target(ctx: RunContext) -> None:
         fault = fault_from_env()
         agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
         skipped = {k.split("/", 1)[1]: v for k, v in stream.stats().items() if k.startswith("skipped/")}
-        t0, tokens, flops, docs = time.perf_counter(), 0, 0.0, 0
+        t0, tokens, flops, docs, last = time.perf_counter(), 0, 0.0, 0, start
         end = num_steps
         for step in range(start, num_steps):
             if agree.target_before(step):
@@ -127,7 +127,9 @@ def run_target(ctx: RunContext) -> None:
                 dt = time.perf_counter() - t0
                 st = sender.stats()
                 vals = reduce_scalars({"tokens_per_s": tokens / dt, "mfu": flops / dt / (job.logging.peak_tflops * 1e12),
-                                       "stall_ms": st.get("stall_ms", 0.0), "in_flight": st.get("in_flight", 0),
+                                       # per step, like the drafter's comm/wait_ms
+                                       "stall_ms": st.get("stall_ms", 0.0) / (step + 1 - last),
+                                       "in_flight": st.get("in_flight", 0),
                                        "docs": docs, "tokens": tokens}, topo.target_group)
                 # Rows and documents sent in this interval (all targets), and the rows the data set
                 # skipped, by reason (every target tokenizes the whole set: the counts agree).
@@ -140,7 +142,7 @@ def run_target(ctx: RunContext) -> None:
                 writer.add_scalar("comm/stall_ms", vals["stall_ms"], step + 1)
                 writer.add_scalar("comm/in_flight", vals["in_flight"], step + 1)
                 writer.flush()
-                t0, tokens, flops, docs = time.perf_counter(), 0, 0.0, 0
+                t0, tokens, flops, docs, last = time.perf_counter(), 0, 0.0, 0, step + 1
         agree.finish()
         sender.finish()
         if end < num_steps:
