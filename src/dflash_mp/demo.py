@@ -2,7 +2,13 @@
 tiny Qwen3 target built from a config. Nothing here touches the network.
 
     python -m dflash_mp.demo make-data --out src/dflash_mp/assets/demo_chat.jsonl --num 800 --seed 0
+    python -m dflash_mp.demo make-data --out /tmp/long_chat.jsonl --num 400 --turns 48  # 1.8k-2.3k tokens
     python -m dflash_mp.demo build-target --out /tmp/tiny-qwen3
+
+`builtin:random-qwen3-8b` (and `builtin:random-tiny-qwen3`, its CPU-test stand-in) is a target with
+real shapes and random weights that are never stored: the cached directory holds config.json, the demo
+tokenizer and `random_init.json` (a seed), and `target.TargetWorker.load` draws the weights on the
+target device at load time. Realistic-shape GPU benchmarks of the whole pipeline need no download.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ BUILTIN_DATA = "builtin:demo"
 BUILTIN_TARGET = "builtin:tiny-qwen3"
 # Same shapes, trained briefly on stdlib docstrings + the demo chats (see learned.py).
 BUILTIN_LEARNED_TARGET = "builtin:learned-qwen3"
+BUILTIN_LEARNED_MEDIUM = "builtin:learned-qwen3-medium"  # ~38M parameters, trained on a GPU
+# Random-weight targets -> the hub target whose shapes they copy (plan.TARGET_ARCHS); None = TINY_QWEN3.
+RANDOM_TARGETS = {"builtin:random-qwen3-8b": "Qwen/Qwen3-8B", "builtin:random-tiny-qwen3": None}
+BUILTIN_TARGETS = (BUILTIN_TARGET, BUILTIN_LEARNED_TARGET, BUILTIN_LEARNED_MEDIUM, *RANDOM_TARGETS)
 # Bump when the tokenizer, the target or the data change, so stale caches are not reused.
 DEMO_VERSION = 1
 
@@ -90,38 +100,31 @@ def build_demo_tokenizer(texts: list[str], vocab_size: int = 1536) -> "PreTraine
     return fast
 
 
-def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
-    """Write a randomly initialised tiny Qwen3 plus `tokenizer` to `out_dir`; returns `out_dir`.
+def demo_qwen3_config(tokenizer, **sizes):
+    """Qwen3Config of TINY_QWEN3 overridden by `sizes`, with `tokenizer`'s special ids and untied
+    embeddings. The default vocab has spare rows past the tokenizer (like Qwen3) so a drafter can use
+    one as its mask token."""
+    from transformers import Qwen3Config
 
-    The vocab has spare rows past the tokenizer (like Qwen3) so a drafter can use one as its mask
-    token. Written to a temp dir and renamed into place: if `out_dir` already exists (another
-    process won the race), the existing copy is kept.
-    """
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    unknown = sorted(k for k in sizes if not hasattr(Qwen3Config(), k))
+    # rope_theta is an argument that transformers 5 folds into rope_parameters (no attribute of that name).
+    unknown = sorted(k for k in sizes if k != "rope_theta" and not hasattr(Qwen3Config(), k))
     if unknown:
         raise ValueError(f"unknown Qwen3Config fields {unknown}; pass fields such as {sorted(TINY_QWEN3)}")
     vocab_size = math.ceil((len(tokenizer) + 8) / 64) * 64
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        **{**TINY_QWEN3, **sizes},
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+    fields = {"vocab_size": vocab_size, **TINY_QWEN3, "tie_word_embeddings": False, **sizes}
+    return Qwen3Config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=None, **fields)
 
+
+def _write_atomic(out_dir: str, save) -> str:
+    """`save(tmp)` into a private temp dir, then rename it to `out_dir`: if `out_dir` already exists
+    (another process won the race), the existing copy is kept."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-target-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the renamed cache should read like any directory
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save(tmp)
         try:
             os.replace(tmp, out_dir)
         except OSError:
@@ -132,30 +135,70 @@ def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
     return out_dir
 
 
+def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
+    """Write a randomly initialised tiny Qwen3 plus `tokenizer` to `out_dir` (atomically); returns it."""
+    from transformers import AutoModelForCausalLM
+
+    config = demo_qwen3_config(tokenizer, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+
+    def save(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _write_atomic(out_dir, save)
+
+
+def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
+    """Write config.json, `tokenizer` and the random-init marker, no weights, to `out_dir` (atomically).
+
+    Weights of 8B shapes take seconds to draw on a GPU but minutes to write and read back, so they are
+    drawn at load time instead (target.TargetWorker.load, target.load_target_head).
+    """
+    from .target import RANDOM_INIT
+
+    config = demo_qwen3_config(tokenizer, **sizes)
+
+    def save(tmp: str) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, RANDOM_INIT), "w") as f:
+            json.dump({"seed": seed}, f)
+
+    return _write_atomic(out_dir, save)
+
+
 def default_cache_dir() -> str:
     return os.environ.get("DFLASH_MP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_mp"))
 
 
 def resolve_target_path(path: str, cache_dir: str | None = None) -> str:
-    """Map `builtin:tiny-qwen3` / `builtin:learned-qwen3` to a built (once, cached) local directory;
-    other values pass through.
+    """Map a builtin target (BUILTIN_TARGETS) to a built (once, cached) local directory; other values
+    pass through.
 
     Safe when several ranks race: each builds privately and renames; a complete directory is never
     visible half-written, so "config.json exists" means "ready".
     """
-    if path == BUILTIN_LEARNED_TARGET:
+    if path in (BUILTIN_LEARNED_TARGET, BUILTIN_LEARNED_MEDIUM):
         from .learned import resolve_learned_target
 
-        return resolve_learned_target(cache_dir)
-    if path != BUILTIN_TARGET:
-        if path.startswith("builtin:"):
-            raise ValueError(f"unknown builtin target {path!r}; the builtins are {BUILTIN_TARGET!r} and "
-                             f"{BUILTIN_LEARNED_TARGET!r}")
+        return resolve_learned_target(cache_dir, "medium" if path == BUILTIN_LEARNED_MEDIUM else "tiny")
+    if not path.startswith("builtin:"):
         return path
-    out = os.path.join(cache_dir or default_cache_dir(), f"tiny-qwen3-v{DEMO_VERSION}")
-    if not os.path.isfile(os.path.join(out, "config.json")):
-        build_demo_target(out, build_demo_tokenizer(demo_texts()))
-    return out
+    if path not in BUILTIN_TARGETS:
+        raise ValueError(f"unknown builtin target {path!r}; the builtins are {', '.join(BUILTIN_TARGETS)}")
+    out = os.path.join(cache_dir or default_cache_dir(), f"{path.removeprefix('builtin:')}-v{DEMO_VERSION}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tokenizer = build_demo_tokenizer(demo_texts())
+    if path == BUILTIN_TARGET:
+        return build_demo_target(out, tokenizer)
+    from .plan import known_target_config
+
+    hub_id = RANDOM_TARGETS[path]
+    return build_random_target(out, tokenizer, **(known_target_config(hub_id) if hub_id else {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,11 +327,32 @@ def make_conversation(r: random.Random) -> dict:
     return {"messages": messages}
 
 
-def write_demo_data(out: str, num: int, seed: int) -> None:
+def make_long_conversation(r: random.Random, turns: int) -> dict:
+    """Exactly `turns` user/assistant turns from the same generators as `make_conversation`: a few
+    such documents fill a packed row of thousands of tokens, as real long chats do."""
+    messages = [{"role": "system", "content": r.choice(SYSTEMS)}] if r.random() < 0.4 else []
+    pairs = [(r.choice(["Hi!", "Hello.", "Hey there."]), "Hello! What would you like to work on?")] \
+        if r.random() < 0.15 else []
+    while len(pairs) < turns:
+        q, a, value = r.choice(TASKS)(r)
+        pairs.append((q, a))
+        if value is not None and r.random() < 0.25:
+            pairs.append(("Now double that number.", f"{value} x 2 = {2 * value}."))
+    for q, a in pairs[:turns]:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return {"messages": messages}
+
+
+def write_demo_data(out: str, num: int, seed: int, turns: int = 1) -> None:
+    """`num` conversations; turns=1 gives the shipped asset's short chats (1 to 3 tasks), turns > 1
+    conversations of exactly that many user/assistant turns."""
+    if turns < 1:
+        raise ValueError(f"turns={turns}: use 1 (short chats) or more.")
     r = random.Random(seed)
     with open(out, "w", encoding="utf-8") as f:
         for _ in range(num):
-            f.write(json.dumps(make_conversation(r), ensure_ascii=False) + "\n")
+            row = make_conversation(r) if turns == 1 else make_long_conversation(r, turns)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,12 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--out", default=demo_data_path())
     data.add_argument("--num", type=int, default=800)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--turns", type=int, default=1,
+                      help="user/assistant turns per conversation; 1 = the shipped short chats (1-3 tasks)")
     target = sub.add_parser("build-target", help="build the tiny Qwen3 target + tokenizer")
     target.add_argument("--out", required=True)
     target.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.cmd == "make-data":
-        write_demo_data(args.out, args.num, args.seed)
+        write_demo_data(args.out, args.num, args.seed, args.turns)
     else:
         build_demo_target(args.out, build_demo_tokenizer(demo_texts()), seed=args.seed)
     print(args.out)

@@ -19,10 +19,13 @@ from .batch import HiddenBatch, PackedBatch
 
 log = logging.getLogger(__name__)
 
+# Marker file of a random-weight target directory (demo.RANDOM_TARGETS): {"seed": int}, no weight files.
+RANDOM_INIT = "random_init.json"
+
 
 @dataclass
 class TargetConfig:
-    path: str = "builtin:tiny-qwen3"  # HF hub id or local dir; builtin:tiny-qwen3 = demo model built locally
+    path: str = "builtin:tiny-qwen3"  # HF hub id or local dir; builtin:* = built locally (demo.py)
     layer_ids: list[int] | None = None  # captured layers; None = num_capture layers spread over 1..L-3
     num_capture: int = 5  # K, used when layer_ids is None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
@@ -76,10 +79,37 @@ def _local_dir(path: str, patterns: list[str]) -> str:
     return snapshot_download(path, allow_patterns=patterns)
 
 
+def random_init_seed(path: str) -> int | None:
+    """The seed of a random-weight target directory, None for a checkpoint with weights."""
+    marker = os.path.join(path, RANDOM_INIT)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        return json.load(f)["seed"]
+
+
+def random_target_head(config: dict, seed: int, device: torch.device,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding and LM head of a random-weight target, normal(0, initializer_range) from a generator of
+    their own: target and drafter ranks on the same device type draw identical tensors from `seed`
+    alone (drawn in fp32, so every dtype rounds the same values)."""
+    shape = (config["vocab_size"], config["hidden_size"])
+    std = config.get("initializer_range", 0.02)
+    g = torch.Generator(device).manual_seed(seed)
+
+    def draw() -> torch.Tensor:
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=g).to(dtype)
+
+    return draw(), draw()  # embed, then head
+
+
 def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the embedding and LM head weights of the target (what a drafter rank needs)."""
     from safetensors import safe_open
 
+    seed = random_init_seed(path)
+    if seed is not None:
+        return random_target_head(load_target_config(path), seed, device, dtype)
     local = _local_dir(path, ["*.json", "*.safetensors"])
     index = os.path.join(local, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -170,7 +200,11 @@ class TargetWorker:
         from transformers import AutoModelForCausalLM
 
         attn = resolve_attn(attn_implementation, device)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        seed = random_init_seed(path)
+        if seed is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        else:
+            model = random_target(path, seed, device, dtype, attn)
         truncate(model, max(layer_ids))
         model.to(device).eval().requires_grad_(False)
         return cls(model, layer_ids, device, compile=compile and device.type == "cuda")
@@ -196,6 +230,22 @@ class TargetWorker:
             loss_mask=batch.loss_mask.to(self.device, non_blocking=True),
             num_valid_tokens=batch.num_valid_tokens,
         )
+
+
+def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str) -> nn.Module:
+    """The model of a random-weight target, initialised on `device` (8B: seconds on a GPU, where a CPU
+    init takes minutes), seeded without touching the caller's RNG. Its embedding is the one
+    `load_target_head` gives drafter ranks; its LM head is dropped by `truncate`, so it is left as drawn."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    embed, _ = random_target_head(config.to_dict(), seed, device, dtype)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embed)
+    return model
 
 
 def truncate(model: nn.Module, last_layer: int) -> None:

@@ -1,0 +1,77 @@
+"""Random-weight builtin targets (config + tokenizer + seed, no weight files) and long demo chats."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from dflash_mp.demo import main, resolve_target_path
+from dflash_mp.plan import known_target_config
+from dflash_mp.target import RANDOM_INIT, TargetWorker, load_target_config, load_target_head
+
+from e2e_utils import SMALL, losses, torchrun
+from test_target import packed
+
+TINY = "builtin:random-tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_builtins_resolve_to_config_tokenizer_and_marker_only(cache):
+    for name in (TINY, "builtin:random-qwen3-8b"):
+        path = resolve_target_path(name, cache)
+        files = os.listdir(path)
+        assert {"config.json", "tokenizer.json", RANDOM_INIT} <= set(files), files
+        assert not [f for f in files if f.endswith((".safetensors", ".bin"))], files
+        assert json.load(open(os.path.join(path, RANDOM_INIT))) == {"seed": 0}
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        cfg = load_target_config(path)
+        assert cfg["model_type"] == "qwen3" and not cfg["tie_word_embeddings"]
+        assert len(tokenizer) < cfg["vocab_size"]  # a spare row for the mask token
+        assert cfg["eos_token_id"] == tokenizer.eos_token_id and cfg["pad_token_id"] == tokenizer.pad_token_id
+    want = known_target_config("Qwen/Qwen3-8B")
+    assert cfg["rope_parameters"]["rope_theta"] == want.pop("rope_theta")
+    assert {k: cfg[k] for k in want} == want
+    with pytest.raises(ValueError, match="random-qwen3-8b"):  # the message lists every builtin
+        resolve_target_path("builtin:random-qwen3-9b", cache)
+
+
+def test_load_is_seeded_and_agrees_with_the_drafter_head(cache):
+    path = resolve_target_path(TINY, cache)
+    cpu = torch.device("cpu")
+    rng = torch.get_rng_state()
+    workers = [TargetWorker.load(path, [1, 3], cpu, torch.float32) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's RNG is untouched
+    batch = packed([40, 25, 30], 128)
+    a, b = (w.forward(batch).hidden for w in workers)
+    assert a.shape == (128, 2 * 128) and torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    embed, head = load_target_head(path, torch.float32, cpu)
+    assert torch.equal(workers[0].model.get_input_embeddings().weight, embed)
+    assert head.shape == embed.shape and not torch.equal(head, embed)
+
+
+@pytest.mark.slow
+def test_trainer_runs_on_a_random_target(tmp_path, cache):
+    run_dir = str(tmp_path / "run")
+    torchrun(2, SMALL + [f"run_dir={run_dir}", f"target.path={TINY}", f"target.cache_dir={cache}",
+                         "topology.num_target_ranks=1", "train.max_steps=8", "checkpoint.every=0"])
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 9))
+    assert all(math.isfinite(v) for v in got.values())
+
+
+def test_make_data_turns(tmp_path):
+    out = tmp_path / "long.jsonl"
+    main(["make-data", "--out", str(out), "--num", "30", "--turns", "3"])
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert len(rows) == 30
+    for messages in rows:
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * 3, roles
