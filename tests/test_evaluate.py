@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dflash_mp.config import compose
-from dflash_mp.evaluate import EvalConfig, main
+from dflash_mp.evaluate import EvalConfig, main, walk_decode_path
+from dflash_mp.model import anchor_candidates
 from dflash_mp.regenerate import split_overrides
 
 DATA = ["data.max_rows=40", "data.eval_fraction=0.25", "data.seq_len=256"]
@@ -34,16 +35,29 @@ def test_report_and_eval_json(export, capsys):
     path, cache = export
     main([f"checkpoint={path}", cache, *DATA, *EVAL])
     printed = capsys.readouterr().out
-    assert "tau_sim" in printed and "live tau" in printed and "lossless" in printed
+    assert "tau_sim" in printed and "tau_sim_anchors" in printed and "live tau" in printed and "lossless" in printed
     report = json.load(open(path / "eval.json"))
     sim, live = report["sim"], report["live"]
-    assert sim["held_out"] and sim["batches"] >= 1 and sim["blocks"] > 0
-    assert 1.0 <= sim["tau_sim"] <= 8.0 and set(sim["acc_slot"]) == {str(k) for k in range(1, 8)}
+    assert sim["held_out"] and sim["batches"] >= 1 and 0 < sim["blocks"] <= sim["anchors"]
+    assert 1.0 <= sim["tau_sim"] <= 8.0 and 1.0 <= sim["tau_sim_anchors"] <= 8.0
+    assert set(sim["acc_slot"]) == {str(k) for k in range(1, 8)}
     assert live["lossless"] and report["failures"] == [] and live["num_prompts"] == 3
     steps = sum(live["acceptance_histogram"].values())
     assert live["target_forwards"] == steps + live["num_prompts"]  # one prefill per prompt
     assert live["generated_tokens"] == sum(int(k) * n for k, n in live["acceptance_histogram"].items()) + 3
     assert 1.0 <= live["tau"] <= 8.0 and live["speedup_device"] == "cpu" and live["speedup_note"]
+
+
+def test_walk_decode_path_lays_blocks_like_decoding():
+    # Two replies of doc 0 (positions 1-5 and 8-10), then doc 1 right after (11-14) with no gap.
+    doc_ids = torch.tensor([0] * 11 + [1] * 4 + [-1])
+    loss_mask = torch.tensor([0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0])
+    cand = anchor_candidates(loss_mask, doc_ids)
+    accept = torch.ones(16, dtype=torch.long)
+    accept[1], accept[3], accept[8], accept[11], accept[13] = 2, 4, 3, 2, 5
+    # Reply 1: 1 -> 3 -> 7 (past the reply). Reply 2: 8 -> 11, where doc 1 starts: the walk stops
+    # there (doc 1 is walked from its own start, once). Doc 1: 11 -> 13 -> 18 (past the end).
+    assert walk_decode_path(accept, loss_mask, doc_ids, cand) == [2, 4, 3, 2, 5]
 
 
 def test_not_lossless_fails_loudly(export, tmp_path, monkeypatch):

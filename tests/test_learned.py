@@ -40,11 +40,12 @@ def test_drafter_learns_the_learned_target(tmp_path_factory):
     tau, tau0 = trained["live"]["tau"], untrained["live"]["tau"]
     assert tau0 < 1.2, f"an untrained drafter should accept almost nothing, got tau {tau0:.3f}"
     assert tau >= 1.5 * tau0, f"trained tau {tau:.3f} vs untrained {tau0:.3f}"
-    # Simulated acceptance along the decoding path through the held-out data is what live decoding
-    # measures (the data is the target's greedy output). The uniform-anchor tau_sim of training weighs
-    # easy stretches as much as hard ones and so overstates live tau; it must at least not understate it.
-    sim, path = trained["sim"]["tau_sim"], trained["sim"]["tau_sim_path"]
-    assert abs(path - tau) <= 0.15 * tau, f"tau_sim_path {path:.3f} and live tau {tau:.3f} disagree"
-    assert sim >= 0.85 * tau
-    print(f"tau_sim {sim:.3f}  tau_sim_path {path:.3f}  live tau {tau:.3f}  untrained live tau {tau0:.3f} "
-          f"(tau_sim {untrained['sim']['tau_sim']:.3f})")
+    # tau_sim averages over the blocks greedy decoding lays along the held-out replies, which are the
+    # target's greedy output: it must predict live tau. tau_sim_anchors (training's drafter/tau_sim)
+    # weighs easy stretches as much as hard ones, which decoding crosses in few blocks: it overstates.
+    sim, anchors = trained["sim"]["tau_sim"], trained["sim"]["tau_sim_anchors"]
+    print(f"trained: tau_sim {sim:.3f}  tau_sim_anchors {anchors:.3f}  live tau {tau:.3f}; untrained: tau_sim "
+          f"{untrained['sim']['tau_sim']:.3f}  tau_sim_anchors {untrained['sim']['tau_sim_anchors']:.3f}  "
+          f"live tau {tau0:.3f}")
+    assert abs(sim - tau) <= 0.15 * tau, f"tau_sim {sim:.3f} and live tau {tau:.3f} disagree by more than 15%"
+    assert anchors >= sim, f"tau_sim_anchors {anchors:.3f} below tau_sim {sim:.3f}"

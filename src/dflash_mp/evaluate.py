@@ -7,9 +7,13 @@
 evaluation sees the target and data the drafter was trained with. Two measurements:
 
 - **sim**: the target runs over packed held-out batches (`data.eval_fraction > 0`; otherwise the
-  first rows of the data) and the drafter predicts a block at every anchor candidate: per-slot
-  accuracy and `tau_sim`, the quantities training logs, plus `tau_sim_path`, the same acceptance
-  sampled along the path live decoding takes (see `simulate`).
+  first rows of the data) and the drafter predicts a block at every anchor candidate. `tau_sim` is the
+  mean, over the blocks greedy speculative decoding lays along each reply (`walk_decode_path`), of 1 +
+  the leading correct slots; when the data is the target's own greedy output (`dflash_mp.regenerate`)
+  it predicts live `tau`. `tau_sim_anchors` is the same mean over every anchor, the quantity training
+  logs as `drafter/tau_sim`; it overstates live `tau` when acceptance varies along a reply, since
+  decoding crosses easy stretches in few blocks and spends most blocks where acceptance is low.
+  Per-slot accuracy is over every anchor, as in training.
 - **live**: greedy speculative decoding (`dflash_mp.speculative`) on prompts taken from the same
   conversations (every assistant turn's prefix, rendered with the chat template and a generation
   prompt): mean acceptance length `tau`, its histogram, target forwards per generated token, and the
@@ -96,7 +100,8 @@ def walk_decode_path(accept: torch.Tensor, loss_mask: torch.Tensor, doc_ids: tor
     starts = (lm & ~(prev & same_doc)).nonzero().flatten().tolist()
     steps = []
     for a in starts:
-        while a < candidates.shape[0] and bool(candidates[a]):
+        doc = int(doc_ids[a])
+        while a < candidates.shape[0] and bool(candidates[a]) and int(doc_ids[a]) == doc:
             steps.append(int(accept[a]))
             a += int(accept[a])
     return steps
@@ -107,11 +112,12 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
              cfg: EvalConfig) -> dict:
     """Drafter acceptance on held-out packed batches, with every anchor candidate evaluated.
 
-    `tau_sim` is the training metric: the mean over all anchors of 1 + the leading correct slots.
-    It weighs every position equally, while live decoding steps over easy stretches in few steps and
-    spends most of its steps where acceptance is low, so `tau_sim` overstates live `tau` whenever
-    acceptance varies along a reply. `tau_sim_path` follows the decoding path through the data
-    (`walk_decode_path`) and is what live decoding measures when the data is the target's greedy output.
+    `tau_sim` (over `blocks`): the mean of 1 + the leading correct slots over the blocks decoding lays
+    down (`walk_decode_path`); what live decoding accepts when the data is the target's greedy output.
+    `tau_sim_anchors` (over `anchors`), `acc_slot` and `loss`: over every anchor, as training logs them
+    (`drafter/tau_sim`). Every position weighs the same there, while decoding crosses easy stretches in
+    few blocks and spends most blocks where acceptance is low, so `tau_sim_anchors` overstates live
+    `tau` whenever acceptance varies along a reply.
     """
     import torch.nn.functional as F
 
@@ -132,7 +138,7 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     b, chunk = args.block_size, cfg.num_anchors
     weights = slot_weights(b, job.drafter.gamma or DEFAULT_GAMMA.get(b, 4.0), device=device)  # loss only
     stats = _Stats(b, device)
-    path_steps: list[int] = []
+    path_blocks: list[int] = []
     it = iter(stream)
     for _ in range(num_batches):
         hb = worker.forward(next(it)).to(device, copy=True)
@@ -151,16 +157,16 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
             stats.add(loss, correct, label_mask, torch.zeros(()), hb.num_valid_tokens)
             lead = (correct & label_mask)[:, 1:].long().cumprod(dim=1).sum(dim=1)
             accept[group] = 1 + lead[:n]
-        path_steps += walk_decode_path(accept, hb.loss_mask, hb.doc_ids, cand)
+        path_blocks += walk_decode_path(accept, hb.loss_mask, hb.doc_ids, cand)
     s = {k: (v.item() if torch.is_tensor(v) else v) for k, v in stats.pop().items()}
     return {
         "held_out": part == "eval",
         "batches": num_batches,
-        "blocks": int(s["blocks"]),
         "loss": s["loss_sum"] / max(s["steps"], 1),
-        "tau_sim": s["tau_sum"] / max(s["blocks"], 1),
-        "tau_sim_path": sum(path_steps) / max(len(path_steps), 1),
-        "path_steps": len(path_steps),
+        "tau_sim": sum(path_blocks) / max(len(path_blocks), 1),
+        "blocks": len(path_blocks),
+        "tau_sim_anchors": s["tau_sum"] / max(s["blocks"], 1),
+        "anchors": int(s["blocks"]),
         "acc_slot": {k: s[f"slot_correct_{k}"] / max(s[f"slot_count_{k}"], 1) for k in range(1, b)},
     }
 
@@ -265,11 +271,11 @@ def format_report(report: dict) -> str:
     b = lv["block_size"]
     lines = [
         f"{'drafter':<28}{report['checkpoint']}",
-        f"{'tau_sim':<28}{sim['tau_sim']:.3f}   ({sim['blocks']} blocks, {sim['batches']} batches, "
-        f"{'held-out' if sim['held_out'] else 'first rows'}; loss {sim['loss']:.3f})",
-        f"{'tau_sim on the decode path':<28}{sim['tau_sim_path']:.3f}   ({sim['path_steps']} steps; what live "
-        "decoding of this data would accept)",
-        f"{'acc per slot':<28}" + " ".join(f"{sim['acc_slot'][k]:.2f}" for k in range(1, b)),
+        f"{'tau_sim':<28}{sim['tau_sim']:.3f}   ({sim['blocks']} blocks laid as greedy decoding lays them, "
+        f"{sim['batches']} {'held-out' if sim['held_out'] else 'first-rows'} batches)",
+        f"{'tau_sim_anchors':<28}{sim['tau_sim_anchors']:.3f}   ({sim['anchors']} anchors, loss {sim['loss']:.3f}; "
+        "training's drafter/tau_sim: overstates live tau, easy stretches weigh as much as hard ones)",
+        f"{'acc per slot (anchors)':<28}" + " ".join(f"{sim['acc_slot'][k]:.2f}" for k in range(1, b)),
         f"{'live tau':<28}{lv['tau']:.3f}   ({lv['num_prompts']} prompts, {lv['generated_tokens']} tokens, "
         f"block {b})",
         f"{'acceptance histogram':<28}" + " ".join(f"{k}:{n}" for k, n in lv["acceptance_histogram"].items()),

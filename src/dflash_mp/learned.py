@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -40,6 +41,16 @@ from .demo import TINY_QWEN3, build_demo_tokenizer, default_cache_dir, demo_text
 LEARNED_TARGET = "builtin:learned-qwen3"
 # Bump when the corpus recipe, the tokenizer, the shapes or the training recipe change.
 LEARNED_VERSION = 1
+
+# Shapes and training recipes. tiny: about a minute on a laptop CPU. medium: 39.4M parameters, the
+# GPU run of the learning proof: 80 ms/step on one H200 (measured), its loss flat after ~500 steps.
+SIZES = {
+    "tiny": dict(shapes=TINY_QWEN3, num_steps=160, batch_size=8, seq_len=128, lr=3e-3),
+    "medium": dict(shapes=dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                               head_dim=64, intermediate_size=1536, max_position_embeddings=4096),
+                   num_steps=1000, batch_size=32, seq_len=512, lr=1e-3),
+}
+TARGETS = {"tiny": LEARNED_TARGET, "medium": "builtin:learned-qwen3-medium"}
 
 # Modules whose public functions/classes lend their docstrings; all are in every CPython install.
 DOC_MODULES = (
@@ -87,9 +98,10 @@ def corpus_hash(chats: list[dict]) -> str:
     return h.hexdigest()[:10]
 
 
-def learned_target_dir(cache_dir: str | None = None) -> str:
+def learned_target_dir(cache_dir: str | None = None, size: str = "tiny") -> str:
     cache = cache_dir or default_cache_dir()
-    return os.path.join(cache, f"learned-qwen3-v{LEARNED_VERSION}-{corpus_hash(stdlib_doc_chats())}")
+    name = "learned-qwen3" if size == "tiny" else f"learned-qwen3-{size}"
+    return os.path.join(cache, f"{name}-v{LEARNED_VERSION}-{corpus_hash(stdlib_doc_chats())}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +123,23 @@ def _token_stream(tokenizer, chats: list[dict], seed: int, epochs: int) -> list[
     return stream
 
 
-def train_learned_target(out_dir: str, seed: int = 0, num_steps: int = 160, batch_size: int = 8,
-                         seq_len: int = 128, lr: float = 3e-3, log_every: int = 50) -> str:
-    """Train the tiny Qwen3 on stdlib-docstring and demo chats; save model + tokenizer to `out_dir`."""
+def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_every: int = 250,
+                         **recipe_overrides) -> str:
+    """Train a small Qwen3 on stdlib-docstring and demo chats; save model + tokenizer to `out_dir`.
+
+    On the GPU when there is one (bf16 autocast), else on the CPU. `recipe_overrides` replace
+    SIZES[size] entries (num_steps, batch_size, seq_len, lr).
+    """
     from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if size not in SIZES:
+        raise ValueError(f"learned target size {size!r}: use one of {sorted(SIZES)}")
+    unknown = set(recipe_overrides) - set(SIZES[size])
+    if unknown:
+        raise ValueError(f"unknown recipe fields {sorted(unknown)}: use {sorted(SIZES[size])}")
+    recipe = {**SIZES[size], **recipe_overrides}
+    num_steps, batch_size, seq_len, lr = (recipe[k] for k in ("num_steps", "batch_size", "seq_len", "lr"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     doc_chats, chats = stdlib_doc_chats(), demo_chats()
     # Docstrings are the part worth knowing: seen twice as often as the synthetic chats.
@@ -122,14 +147,15 @@ def train_learned_target(out_dir: str, seed: int = 0, num_steps: int = 160, batc
     tokenizer = build_demo_tokenizer(demo_texts() + [m["content"] for c in doc_chats for m in c["messages"]])
     vocab_size = math.ceil((len(tokenizer) + 8) / 64) * 64  # spare rows: one becomes the mask token
     config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **TINY_QWEN3)
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **recipe["shapes"])
     tokens_needed = num_steps * batch_size * (seq_len + 1)
+    t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config).to(device)
         one_epoch = len(_token_stream(tokenizer, corpus, seed, 1))
         stream = torch.tensor(_token_stream(tokenizer, corpus, seed, math.ceil(tokens_needed / one_epoch)))
-        rows = stream[: tokens_needed].view(num_steps, batch_size, seq_len + 1)
+        rows = stream[: tokens_needed].view(num_steps, batch_size, seq_len + 1).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         warm = max(1, num_steps // 20)
         model.train()
@@ -138,15 +164,20 @@ def train_learned_target(out_dir: str, seed: int = 0, num_steps: int = 160, batc
             for g in opt.param_groups:
                 g["lr"] = lr * max(scale, 0.02)
             x = rows[step]
-            logits = model(input_ids=x[:, :-1]).logits
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=x[:, :-1]).logits.float()
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if log_every and (step % log_every == 0 or step == num_steps - 1):
-                print(f"learned target step {step + 1}/{num_steps} loss {loss.item():.3f}", file=sys.stderr, flush=True)
-    model.eval()
+                print(f"learned target step {step + 1}/{num_steps} loss {loss.item():.3f} "
+                      f"({time.perf_counter() - t0:.0f} s, {device.type})", file=sys.stderr, flush=True)
+    model.cpu().eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"learned target ({size}, {n_params / 1e6:.1f}M parameters) trained in {time.perf_counter() - t0:.0f} s "
+          f"on {device.type}: {num_steps} steps of {batch_size}x{seq_len} tokens", file=sys.stderr, flush=True)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     _save_atomic(model, tokenizer, out_dir)
@@ -184,14 +215,14 @@ def _build_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def resolve_learned_target(cache_dir: str | None = None) -> str:
+def resolve_learned_target(cache_dir: str | None = None, size: str = "tiny") -> str:
     """The cached learned target's directory, trained on first use (race-safe across processes)."""
-    out = learned_target_dir(cache_dir)
+    out = learned_target_dir(cache_dir, size)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     with _build_lock(out + ".lock"):
         if not os.path.isfile(os.path.join(out, "config.json")):
-            train_learned_target(out)
+            train_learned_target(out, size=size)
     return out
 
 
@@ -199,20 +230,25 @@ def resolve_learned_target(cache_dir: str | None = None) -> str:
 # The pipeline: regenerate -> train -> evaluate
 # ---------------------------------------------------------------------------------------------
 
-# Drafter training overrides that fit a laptop CPU (1 target + 1 drafter rank).
-PIPELINE_TRAIN = [
-    "data.seq_len=512",
-    "data.eval_fraction=0.1",
-    "drafter.block_size=8",
-    "drafter.num_anchors=64",
-    "drafter.max_anchors_per_doc=16",
-    "drafter.loss_chunk_size=256",
-    "train.lr=3e-3",
-    "logging.log_every=20",
-    "logging.progress=false",
-    "train.compile=eager",
-    "checkpoint.every=0",
-]
+# Per size: drafter training overrides, evaluation overrides, regeneration and pipeline settings.
+# tiny fits a laptop CPU (1 target + 1 drafter rank); medium is the GPU run (B=16; eager drafter
+# with dense masks and an sdpa target: small shapes, so nothing waits minutes for kernels to compile).
+_COMMON = ["data.eval_fraction=0.1", "logging.progress=false", "train.compile=eager", "checkpoint.every=0"]
+PROFILES = {
+    "tiny": dict(
+        train=["data.seq_len=512", "drafter.block_size=8", "drafter.num_anchors=64", "drafter.max_anchors_per_doc=16",
+               "drafter.loss_chunk_size=256", "train.lr=3e-3", "logging.log_every=20", *_COMMON],
+        eval=["data.seq_len=512", "data.eval_fraction=0.1"],
+        num_rows=240, max_new_tokens=96, regen_batch=32, train_epochs=4.0, num_prompts=12, eval_tokens=64),
+    "medium": dict(
+        train=["data.seq_len=1024", "drafter.block_size=16", "drafter.num_layers=2", "drafter.num_anchors=256",
+               "drafter.max_anchors_per_doc=32", "drafter.loss_chunk_size=1024", "train.lr=1e-3",
+               "logging.log_every=100", "drafter.attention=dense", "target.attn_implementation=sdpa",
+               "target.compile=false", *_COMMON],
+        eval=["data.seq_len=1024", "data.eval_fraction=0.1", "drafter.attention=dense",
+              "target.attn_implementation=sdpa"],
+        num_rows=800, max_new_tokens=160, regen_batch=200, train_epochs=5.0, num_prompts=32, eval_tokens=128),
+}
 
 
 def _env() -> dict:
@@ -223,33 +259,41 @@ def _python(*args: str, timeout: float | None = None) -> None:
     subprocess.run([sys.executable, *args], env=_env(), check=True, timeout=timeout)
 
 
-def run_pipeline(work: str, num_rows: int = 240, max_new_tokens: int = 96, train_epochs: float = 4.0,
-                 num_prompts: int = 12, eval_tokens: int = 64, world: int = 2, cache_dir: str | None = None,
-                 extra_train: list[str] | None = None) -> dict:
-    """regenerate -> torchrun train -> evaluate (trained and untrained); returns both eval reports."""
+def run_pipeline(work: str, size: str = "tiny", world: int = 2, cache_dir: str | None = None,
+                 extra_train: list[str] | None = None, **settings) -> dict:
+    """regenerate -> torchrun train -> evaluate (trained and untrained); returns both eval reports.
+
+    `settings` replace PROFILES[size] entries (num_rows, max_new_tokens, regen_batch, train_epochs,
+    num_prompts, eval_tokens)."""
+    prof = {**PROFILES[size], **settings}
     cache = cache_dir or default_cache_dir()
-    target = [f"target.path={LEARNED_TARGET}", f"target.cache_dir={cache}"]
-    resolve_learned_target(cache)
+    target = [f"target.path={TARGETS[size]}", f"target.cache_dir={cache}"]
+    resolve_learned_target(cache, size)
     os.makedirs(work, exist_ok=True)
     data = os.path.join(work, "regenerated.jsonl")
-    _python("-m", "dflash_mp.regenerate", *target, f"data.max_rows={num_rows}", f"out={data}",
-            f"max_new_tokens={max_new_tokens}", "batch_size=32")
+    t0 = time.perf_counter()
+    _python("-m", "dflash_mp.regenerate", *target, f"data.max_rows={prof['num_rows']}", f"out={data}",
+            f"max_new_tokens={prof['max_new_tokens']}", f"batch_size={prof['regen_batch']}")
+    timings = {"regenerate_s": time.perf_counter() - t0}
     run_dir = os.path.join(work, "run")
     train = [*target, f"data.path={data}", f"run_dir={run_dir}", "topology.num_target_ranks=1",
-             f"train.epochs={train_epochs}", *PIPELINE_TRAIN, *(extra_train or [])]
+             f"train.epochs={prof['train_epochs']}", *prof["train"], *(extra_train or [])]
+    t0 = time.perf_counter()
     _python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m", "dflash_mp.main",
             *train)
+    timings["train_s"] = time.perf_counter() - t0
     export = os.path.join(run_dir, "export")
     untrained = os.path.join(work, "untrained")
     _export_untrained(export, untrained)
     reports = {}
     for name, ckpt in (("trained", export), ("untrained", untrained)):
         out = os.path.join(work, f"eval_{name}.json")
-        _python("-m", "dflash_mp.evaluate", f"checkpoint={ckpt}", *target, f"data.path={data}",
-                "data.seq_len=512", "data.eval_fraction=0.1", f"eval.num_prompts={num_prompts}",
-                f"eval.max_new_tokens={eval_tokens}", f"eval.out={out}")
+        _python("-m", "dflash_mp.evaluate", f"checkpoint={ckpt}", *target, f"data.path={data}", *prof["eval"],
+                f"eval.num_prompts={prof['num_prompts']}", f"eval.max_new_tokens={prof['eval_tokens']}",
+                f"eval.out={out}")
         with open(out) as f:
             reports[name] = json.load(f)
+    reports["timings"] = timings
     return reports
 
 
@@ -269,20 +313,26 @@ def _export_untrained(trained: str, out: str, seed: int = 0) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_mp.learned")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build-target", help="train (once) and cache the learned tiny Qwen3")
+    build = sub.add_parser("build-target", help="train (once) and cache a learned Qwen3")
     build.add_argument("--out", default=None, help="directory to write (default: the cache entry)")
+    build.add_argument("--size", default="tiny", choices=sorted(SIZES))
     pipe = sub.add_parser("pipeline", help="regenerate -> torchrun train -> evaluate")
     pipe.add_argument("--work", required=True)
-    pipe.add_argument("--rows", type=int, default=240)
-    pipe.add_argument("--epochs", type=float, default=4.0)
+    pipe.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    pipe.add_argument("--rows", type=int, default=None, help="conversations to regenerate (default: the size's)")
+    pipe.add_argument("--epochs", type=float, default=None, help="drafter epochs (default: the size's)")
     pipe.add_argument("--world", type=int, default=2)
     args = parser.parse_args(argv)
     if args.cmd == "build-target":
-        print(train_learned_target(args.out) if args.out else resolve_learned_target())
+        print(train_learned_target(args.out, size=args.size) if args.out else resolve_learned_target(size=args.size))
         return
-    reports = run_pipeline(args.work, num_rows=args.rows, train_epochs=args.epochs, world=args.world)
+    settings = {k: v for k, v in (("num_rows", args.rows), ("train_epochs", args.epochs)) if v is not None}
+    reports = run_pipeline(args.work, size=args.size, world=args.world, **settings)
+    print(f"timings: {reports.pop('timings')}")
+    with open(os.path.join(args.work, "reports.json"), "w") as f:
+        json.dump(reports, f, indent=2)
     for name, rep in reports.items():
-        print(f"{name:>9}: tau_sim {rep['sim']['tau_sim']:.3f}  tau_sim_path {rep['sim']['tau_sim_path']:.3f}  "
+        print(f"{name:>9}: tau_sim {rep['sim']['tau_sim']:.3f}  tau_sim_anchors {rep['sim']['tau_sim_anchors']:.3f}  "
               f"live tau {rep['live']['tau']:.3f}  lossless {rep['live']['lossless']}")
 
 
