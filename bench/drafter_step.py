@@ -81,6 +81,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
             i[0] += 1
             fb.append(e[0].elapsed_time(e[1]))
             op.append(e[1].elapsed_time(e[2]))
+    prof = kernel_profile(step, device) if device.type == "cuda" else None
     flops = flops_per_step(p, st, steps)
     med = median(ms)
     out = {
@@ -92,12 +93,58 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "fwd_bwd_ms": median(fb) if fb else None, "optimizer_ms": median(op) if op else None,
+        "profile": prof,
     }
     del tr
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler reports them
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("flex_attention", ("flex", "triton_tem")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),
+    ("fused_triton", ("triton_",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduce", ("reduce", "norm")),
+)
+
+
+def kernel_profile(step, device, n: int = 3) -> dict:
+    """GPU time per kernel class over `n` steps (ms per step), and the 12 costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize(device)
+    per: dict[str, float] = {}
+    kernels = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not us or ev.key.startswith("ProfilerStep"):
+            continue
+        name = ev.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k.lower() in name for k in keys)), "other")
+        per[cls] = per.get(cls, 0.0) + us / 1000 / n
+        kernels.append((us / 1000 / n, ev.count // n, ev.key[:120]))
+    kernels.sort(reverse=True)
+    return {"ms_per_step_by_class": dict(sorted(per.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"ms": round(ms, 3), "calls": c, "name": k} for ms, c, k in kernels[:12]]}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Cumulative seconds per compile phase so far (Dynamo's own counters), the largest first."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    tot = {k: round(sum(v), 1) for k, v in compilation_time_metrics.items() if v}
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1])[:12])
 
 
 def loss_curve(p, mode, device, batches, n, chunk, scope) -> list[float]:
@@ -122,7 +169,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,default,reduce-overhead")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--loss-steps", type=int, default=0, help="compare eager and the last mode's losses")
+    ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")
+    ap.add_argument("--loss-mode", default=None, help="default: the last compiled mode in --modes")
     ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     a = ap.parse_args()
@@ -137,15 +185,16 @@ def main() -> None:
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope)
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
+        r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)
         write_json(results, f"drafter_{a.preset}_{a.scope}.json")
     if a.loss_steps:
-        modes = a.modes.split(",")
-        curves = {m: loss_curve(p, m, device, batches, a.loss_steps, a.chunk, a.scope) for m in ("eager", modes[-1])}
-        e, c = curves["eager"], curves[modes[-1]]
+        other = a.loss_mode or [m for m in a.modes.split(",") if m != "eager"][-1]
+        curves = {m: loss_curve(p, m, device, batches, a.loss_steps, a.chunk, a.scope) for m in ("eager", other)}
+        e, c = curves["eager"], curves[other]
         rel = [abs(x - y) / abs(x) for x, y in zip(e, c)]
-        results["loss_match"] = {"mode": modes[-1], "steps": a.loss_steps, "max_rel_diff": max(rel),
+        results["loss_match"] = {"mode": other, "steps": a.loss_steps, "max_rel_diff": max(rel),
                                  "mean_rel_diff": sum(rel) / len(rel), "eager_first_last": [e[0], e[-1]],
                                  "compiled_first_last": [c[0], c[-1]]}
         write_json(results, f"drafter_{a.preset}_{a.scope}.json")
@@ -160,6 +209,10 @@ def main() -> None:
               f"{r['fwd_bwd_ms'] or 0:7.1f} {r['optimizer_ms'] or 0:7.1f}")
     if "loss_match" in results:
         print("loss match:", results["loss_match"])
+    for r in results["modes"]:
+        if r.get("profile"):
+            cls = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["ms_per_step_by_class"].items())
+            print(f"{r['mode']} GPU ms/step by kernel class: {cls}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+# Compiled kernels persist across runs: a cold start spends ~4 min compiling (BENCHMARKS.md).
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/dflash_mp/inductor}"
 NPROC="${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 [ "$NPROC" -ge 1 ] || NPROC=2
 # TORCHRUN may name another launcher command, e.g. "python -m torch.distributed.run".
