@@ -54,3 +54,20 @@ def test_compiled_losses_match_eager_and_never_recompile(mode, scope):
     assert recompiles == 0 and rerecords == 0
     for a, b in zip(ref, got):
         assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 tolerance
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_training_step_never_synchronises_the_gpu(mode):
+    """Between logging intervals the step queues work and returns: any device->host sync raises."""
+    tr = build(mode, "layers")
+    batch = synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=0, lo=64, hi=300)
+    for _ in range(3):  # compile and warm up outside the check
+        tr.train_step(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            tr.train_step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
