@@ -54,7 +54,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     tr = build(p, mode, device, chunk, scope)
     i = [0]
 
-    def step():
+    def step(tr=tr):
         tr.train_step(batches[i[0] % len(batches)])
         i[0] += 1
 
@@ -95,7 +95,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         "fwd_bwd_ms": median(fb) if fb else None, "optimizer_ms": median(op) if op else None,
         "profile": prof,
     }
-    del tr
+    del step, tr
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

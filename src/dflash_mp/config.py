@@ -43,8 +43,6 @@ def to_job(cfg) -> JobConfig:
 
 def compose(overrides: list[str] | None = None) -> JobConfig:
     """Compose the job config outside @hydra.main (tests, tools)."""
-    import os
-
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 

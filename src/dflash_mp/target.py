@@ -144,8 +144,6 @@ def resolve_attn(name: str, device: torch.device) -> str:
 def doc_causal_block_mask(doc_ids: torch.Tensor):
     """flex_attention BlockMask of the packed-document causal mask: no dense [T, T] tensor, and
     blocks outside every document's triangle are skipped by the kernel."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b, h, q, kv):
         return (doc_ids[q] == doc_ids[kv]) & (kv <= q)
 

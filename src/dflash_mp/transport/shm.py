@@ -56,6 +56,7 @@ from dflash_mp.batch import FLAG_END_OF_DATA, HiddenBatch
 from dflash_mp.transport.base import (
     RecvChannel,
     SendChannel,
+    Slot,
     SlotSpec,
     backoff_sleep,
     carve_slots,
