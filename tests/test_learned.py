@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from dflash_mp.learned import run_pipeline, stdlib_doc_chats, train_learned_target
+from dflash_mp.config import compose
+from dflash_mp.learned import PROFILES, SIZES, TARGETS, run_pipeline, stdlib_doc_chats, train_learned_target
 
 
 def test_corpus_is_real_and_deterministic():
@@ -18,6 +19,18 @@ def test_corpus_is_real_and_deterministic():
     assert chats == stdlib_doc_chats()
     text = json.dumps(chats)
     assert "json.dumps" in text and "Serialize" in text  # json.dumps' own docstring
+
+
+@pytest.mark.parametrize("size", sorted(PROFILES))
+def test_every_size_has_a_recipe_and_overrides_the_job_accepts(size):
+    """The GPU profile only runs on a lent GPU: a misspelt override must fail here, not there."""
+    assert size in SIZES and size in TARGETS
+    prof = PROFILES[size]
+    job = compose([f"target.path={TARGETS[size]}", *prof["train"]])
+    assert job.drafter.block_size in (8, 16) and job.train.compile == "eager"
+    compose(prof["eval"])
+    with pytest.raises(ValueError, match="size"):
+        train_learned_target("/nonexistent", size="huge")
 
 
 def test_training_is_seeded(tmp_path):
