@@ -26,6 +26,10 @@ PEAK = 790e12
 
 
 def build(p: dict, mode: str, device, chunk: int, scope: str = "step") -> DrafterTrainer:
+    """`mode` is a train.compile value, optionally with `+loss` (train.compile_loss=true)."""
+    mode, _, extra = mode.partition("+")
+    if extra not in ("", "loss"):
+        raise ValueError(f"mode suffix {extra!r}: only +loss (compile the CE chunks) is known")
     torch.manual_seed(0)
     args = DrafterArgs(hidden_size=p["hidden"], intermediate_size=p["inter"], num_layers=p["layers"],
                        num_heads=p["heads"], num_kv_heads=p["kv"], head_dim=p["head_dim"], vocab_size=p["vocab"],
@@ -40,7 +44,9 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step") -> Drafte
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
-    return DrafterTrainer(obj, TrainConfig(compile=mode, compile_scope=scope, max_steps=10_000, warmup_ratio=0.0), 10_000, None, device)
+    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=extra == "loss", max_steps=10_000,
+                      warmup_ratio=0.0)
+    return DrafterTrainer(obj, cfg, 10_000, None, device)
 
 
 def flops_per_step(p: dict, stats: dict, steps: int) -> float:
@@ -166,7 +172,8 @@ def _one(tr, hb) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
-    ap.add_argument("--modes", default="eager,default,reduce-overhead")
+    ap.add_argument("--modes", default="eager,default,reduce-overhead",
+                    help="train.compile values; a +loss suffix also compiles the CE chunks (default+loss)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")

@@ -20,8 +20,9 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log, say how it ended
     timeout "$limit" "$@" >> "$LOG" 2>&1
     echo "== $name rc $? in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
-step drafter_8b "${T_DRAFTER:-170}" python3 bench/drafter_step.py --preset qwen3_8b --modes eager,default,reduce-overhead \
-    --scope layers --loss-steps 50 --loss-mode default --steps 10 --warmup 3
+step drafter_8b "${T_DRAFTER:-170}" python3 bench/drafter_step.py --preset qwen3_8b \
+    --modes eager,default,default+loss,reduce-overhead --scope layers --loss-steps 50 --loss-mode default \
+    --steps 10 --warmup 3
 step target_alone "${T_TARGET:-150}" env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex --steps 20
 python3 -m dflash_mp.demo make-data --out "$PIPE/long_chats.jsonl" --num 600 --turns 48 --seed 1 >> "$LOG" 2>&1
 step pipeline_1p1 "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main experiment=qwen3_8b \

@@ -64,6 +64,7 @@ class TrainConfig:
     compile: str = "auto"  # auto (default on CUDA, eager on CPU) | eager | default | reduce-overhead
     compile_scope: str = "layers"  # layers: each decoder layer on its own (identical layers share one
     #   graph: kernels compile once, in minutes, not per layer) | step: the whole objective is one graph
+    compile_loss: bool = False  # layers scope: also compile each chunk of the fused CE (see BENCHMARKS.md)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     # After SIGTERM: the job stops within 2*logging.log_every steps with a checkpoint; a rank still
     # running this long after the signal exits non-zero (Slurm's KillWait and torchrun's shutdown
@@ -110,6 +111,7 @@ class DFlashObjective(nn.Module):
         self.register_buffer("head", head.detach(), persistent=False)
         self.register_buffer("weights", slot_weights(args.block_size, cfg.gamma, device=embed.device),
                              persistent=False)
+        self.compile_loss = False  # set by compile_objective
 
     def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
         b = self.args.block_size
@@ -120,7 +122,8 @@ class DFlashObjective(nn.Module):
         block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
         attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention)
         out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
-        loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size)
+        loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size,
+                                    compiled=self.compile_loss)
         # Visible context keys per block = tokens of its document before the anchor = position_ids[a].
         ctx_keys = (position_ids[anchors] * valid).sum()
         return loss, correct, label_mask, ctx_keys
@@ -144,7 +147,7 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-def compile_objective(objective: DFlashObjective, mode: str, scope: str):
+def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: bool = False):
     if mode == "eager":
         return objective
     if scope == "step":
@@ -152,6 +155,7 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str):
     if scope == "layers":
         for layer in objective.drafter.layers:
             layer.compile(mode=mode, dynamic=False)
+        objective.compile_loss = loss
         return objective
     raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")
 
@@ -198,7 +202,7 @@ class DrafterTrainer:
                                      weight_decay=cfg.weight_decay, fused=fused)
         self.grads = GradBuffer(self.params, group)
         self.mode = resolve_compile_mode(cfg.compile, device)
-        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope)
+        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
         prec = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
         self.autocast = prec == "bf16"
         b = objective.args.block_size

@@ -32,27 +32,52 @@ def slot_weights(
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
 
 
+def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool):
+    """One row chunk: per-row CE, argmax and (if `need_grad`) d ce / d h through the frozen head."""
+    # The GEMM accumulates in fp32; softmax statistics are at least fp32 (fp64 stays fp64, which
+    # lets tests compare against a plain reference exactly).
+    logits = F.linear(h, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, y[:, None])[:, 0]
+    pred = logits.argmax(dim=-1)
+    if not need_grad:
+        return ce, pred, None
+    # d ce / d logits = softmax - onehot(label), then back through the frozen head.
+    probs = torch.exp(logits - lse[:, None])
+    probs = probs.scatter_add(1, y[:, None], probs.new_full((y.shape[0], 1), -1.0))
+    return ce, pred, (probs.to(weight.dtype) @ weight).to(h.dtype)
+
+
+_COMPILED_CHUNK = None
+
+
+def _chunk_fn(compiled: bool):
+    """Eager, or the chunk compiled once per process: Inductor fuses the logsumexp, gather, argmax
+    and softmax-gradient passes over the `[chunk, vocab]` logits into a few kernels, so the fp32
+    logits are never written out. Inside an outer compiled step the raw function is traced."""
+    global _COMPILED_CHUNK
+    if not compiled or torch.compiler.is_compiling():
+        return _ce_chunk
+    if _COMPILED_CHUNK is None:
+        _COMPILED_CHUNK = torch.compile(_ce_chunk, dynamic=False)
+    return _COMPILED_CHUNK
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-row CE of `hidden @ weight.T` against `labels`, chunked over rows."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, need_grad: bool):
+    def forward(ctx, hidden, weight, labels, chunk_size: int, need_grad: bool, compiled: bool):
         ce_parts, pred_parts, grad_parts = [], [], []
+        fn = _chunk_fn(compiled)
         for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            y = labels[start : start + chunk_size]
-            # The GEMM accumulates in fp32; softmax statistics are at least fp32 (fp64 stays fp64,
-            # which lets tests compare against a plain reference exactly).
-            logits = F.linear(h, weight)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            lse = torch.logsumexp(logits, dim=-1)
-            ce_parts.append(lse - logits.gather(1, y[:, None])[:, 0])
-            pred_parts.append(logits.argmax(dim=-1))
+            ce, pred, grad = fn(hidden[start : start + chunk_size], weight, labels[start : start + chunk_size],
+                                need_grad)
+            ce_parts.append(ce)
+            pred_parts.append(pred)
             if need_grad:
-                # d ce / d logits = softmax - onehot(label), then back through the frozen head.
-                probs = torch.exp(logits - lse[:, None])
-                probs = probs.scatter_add(1, y[:, None], probs.new_full((y.shape[0], 1), -1.0))
-                grad_parts.append((probs.to(weight.dtype) @ weight).to(hidden.dtype))
+                grad_parts.append(grad)
         ce = torch.cat(ce_parts)
         pred = torch.cat(pred_parts)
         ctx.mark_non_differentiable(pred)
@@ -65,7 +90,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         (grad_hidden,) = ctx.saved_tensors
         # Row r's ce depends on hidden row r alone, so d(sum_r g_r * ce_r)/d h_r = g_r * d ce_r/d h_r:
         # scaling the saved per-row gradient is exact, not an approximation.
-        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -73,14 +98,16 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int = 1024,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row CE `[N]` (fp32, or fp64 for fp64 inputs) and argmax `[N]` of `hidden [N, H] @ weight[V, H].T`.
 
     `weight` is treated as frozen: it never receives a gradient. The number of chunks is
     `ceil(N / chunk_size)`, fixed for fixed shapes, so a compiled step traces a fixed loop.
+    `compiled`: run each chunk through `torch.compile` (the eager step's largest fusable cost).
     """
     need_grad = hidden.requires_grad and torch.is_grad_enabled()
-    return _FusedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, need_grad)
+    return _FusedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, need_grad, compiled)
 
 
 def dflash_loss(
@@ -90,6 +117,7 @@ def dflash_loss(
     label_mask: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 1024,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted CE over slots 1..B-1 of every block.
 
@@ -99,7 +127,7 @@ def dflash_loss(
     """
     A, B = labels.shape
     hidden = block_hidden.view(A, B, -1)[:, 1:].reshape(A * (B - 1), -1)
-    ce, pred = fused_linear_cross_entropy(hidden, lm_head_weight, labels[:, 1:].reshape(-1), chunk_size)
+    ce, pred = fused_linear_cross_entropy(hidden, lm_head_weight, labels[:, 1:].reshape(-1), chunk_size, compiled)
     w = weights[1:].to(ce.dtype)[None, :] * label_mask[:, 1:].to(ce.dtype)
     loss = (ce.view(A, B - 1) * w).sum() / w.sum().clamp(min=1e-6)
     hits = pred.view(A, B - 1) == labels[:, 1:]
