@@ -11,13 +11,7 @@ set -euo pipefail
 : "${NODE_RANK:?set NODE_RANK (0 on the rendezvous node)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (host name or address of node 0)}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-# NVLink multicast stays off: it can take a shared host's GPUs out of service.
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-# Compiled kernels persist across runs: a cold start spends ~4 min compiling (BENCHMARKS.md).
-export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/dflash_mp/inductor}"
+source "$(dirname "$0")/env.sh"
 NPROC="${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 [ "$NPROC" -ge 1 ] || NPROC=2
 # TORCHRUN may name another launcher command, e.g. "python -m torch.distributed.run".

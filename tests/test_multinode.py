@@ -38,8 +38,15 @@ def test_launch_scripts_parse_and_keep_nvlink_multicast_off(script):
     path = os.path.join(ROOT, script)
     subprocess.run(["bash", "-n", path], check=True)
     text = open(path).read()
-    for var in NVLS_OFF:
-        assert var in text, (script, var)
+    assert "launch/env.sh" in text or '"$(dirname "$0")/env.sh"' in text, script
+    # What every script sources: NVLink multicast off unless the caller set the variable.
+    env = {k: v for k, v in os.environ.items() if k not in NVLS_OFF}
+    out = subprocess.run(["bash", "-c", f"source {os.path.join(ROOT, 'launch', 'env.sh')} && env"], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    off = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert set(off) == set(NVLS_OFF)
+    for var, value in off.items():
+        assert f"\n{var}={value}\n" in f"\n{out}", (script, var)
     if script != "launch/single_node.sh":
         assert "--rdzv-backend c10d" in text and '"$@"' in text
 

@@ -116,12 +116,12 @@ def demo_qwen3_config(tokenizer, **sizes):
                        bos_token_id=None, **fields)
 
 
-def _write_atomic(out_dir: str, save) -> str:
+def write_atomic(out_dir: str, save) -> str:
     """`save(tmp)` into a private temp dir, then rename it to `out_dir`: if `out_dir` already exists
     (another process won the race), the existing copy is kept."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-target-")
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-build-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the renamed cache should read like any directory
     try:
         save(tmp)
@@ -148,7 +148,7 @@ def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return _write_atomic(out_dir, save)
+    return write_atomic(out_dir, save)
 
 
 def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
@@ -167,7 +167,7 @@ def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
         with open(os.path.join(tmp, RANDOM_INIT), "w") as f:
             json.dump({"seed": seed}, f)
 
-    return _write_atomic(out_dir, save)
+    return write_atomic(out_dir, save)
 
 
 def default_cache_dir() -> str:

@@ -98,12 +98,14 @@ def walk_decode_path(accept: torch.Tensor, loss_mask: torch.Tensor, doc_ids: tor
     prev = torch.cat([lm.new_zeros(1), lm[:-1]])
     same_doc = torch.cat([doc_ids.new_full((1,), -2), doc_ids[:-1]]) == doc_ids
     starts = (lm & ~(prev & same_doc)).nonzero().flatten().tolist()
+    # One copy to the host; the walk then reads Python lists (no device sync per step on a GPU).
+    acc, cand, docs = accept.tolist(), candidates.tolist(), doc_ids.tolist()
     steps = []
     for a in starts:
-        doc = int(doc_ids[a])
-        while a < candidates.shape[0] and bool(candidates[a]) and int(doc_ids[a]) == doc:
-            steps.append(int(accept[a]))
-            a += int(accept[a])
+        doc = docs[a]
+        while a < len(cand) and cand[a] and docs[a] == doc:
+            steps.append(acc[a])
+            a += acc[a]
     return steps
 
 

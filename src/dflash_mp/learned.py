@@ -28,15 +28,13 @@ import json
 import math
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from .demo import TINY_QWEN3, build_demo_tokenizer, default_cache_dir, demo_texts
+from .demo import TINY_QWEN3, build_demo_tokenizer, default_cache_dir, demo_qwen3_config, demo_texts, write_atomic
 
 LEARNED_TARGET = "builtin:learned-qwen3"
 # Bump when the corpus recipe, the tokenizer, the shapes or the training recipe change.
@@ -130,7 +128,7 @@ def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_ev
     On the GPU when there is one (bf16 autocast), else on the CPU. `recipe_overrides` replace
     SIZES[size] entries (num_steps, batch_size, seq_len, lr).
     """
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     if size not in SIZES:
         raise ValueError(f"learned target size {size!r}: use one of {sorted(SIZES)}")
@@ -145,9 +143,7 @@ def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_ev
     # Docstrings are the part worth knowing: seen twice as often as the synthetic chats.
     corpus = doc_chats * 2 + chats
     tokenizer = build_demo_tokenizer(demo_texts() + [m["content"] for c in doc_chats for m in c["messages"]])
-    vocab_size = math.ceil((len(tokenizer) + 8) / 64) * 64  # spare rows: one becomes the mask token
-    config = Qwen3Config(vocab_size=vocab_size, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **recipe["shapes"])
+    config = demo_qwen3_config(tokenizer, **recipe["shapes"])  # spare vocab rows: one is the mask token
     tokens_needed = num_steps * batch_size * (seq_len + 1)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
@@ -180,25 +176,12 @@ def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_ev
           f"on {device.type}: {num_steps} steps of {batch_size}x{seq_len} tokens", file=sys.stderr, flush=True)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    _save_atomic(model, tokenizer, out_dir)
-    return out_dir
 
-
-def _save_atomic(model, tokenizer, out_dir: str) -> None:
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-learned-")
-    os.chmod(tmp, 0o755)
-    try:
+    def save(tmp: str) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:  # another process finished first: keep its copy
-            if not os.path.isfile(os.path.join(out_dir, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    return write_atomic(out_dir, save)
 
 
 @contextlib.contextmanager

@@ -88,11 +88,12 @@ def random_init_seed(path: str) -> int | None:
         return json.load(f)["seed"]
 
 
-def random_target_head(config: dict, seed: int, device: torch.device,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def random_target_head(config: dict, seed: int, device: torch.device, dtype: torch.dtype,
+                       with_head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Embedding and LM head of a random-weight target, normal(0, initializer_range) from a generator of
     their own: target and drafter ranks on the same device type draw identical tensors from `seed`
-    alone (drawn in fp32, so every dtype rounds the same values)."""
+    alone (drawn in fp32, so every dtype rounds the same values). The embedding is drawn first, so
+    `with_head=False` (the target, which drops its head) gets the same one without drawing the head."""
     shape = (config["vocab_size"], config["hidden_size"])
     std = config.get("initializer_range", 0.02)
     g = torch.Generator(device).manual_seed(seed)
@@ -100,7 +101,8 @@ def random_target_head(config: dict, seed: int, device: torch.device,
     def draw() -> torch.Tensor:
         return torch.empty(shape, device=device).normal_(0.0, std, generator=g).to(dtype)
 
-    return draw(), draw()  # embed, then head
+    embed = draw()
+    return embed, draw() if with_head else None
 
 
 def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +242,7 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    embed, _ = random_target_head(config.to_dict(), seed, device, dtype)
+    embed, _ = random_target_head(config.to_dict(), seed, device, dtype, with_head=False)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(embed)
     return model
