@@ -191,15 +191,47 @@ class SendChannel:
 
 
 class RecvChannel:
-    """One (one target, this drafter) pair, receiving side."""
+    """One (one target, this drafter) pair, receiving side.
+
+    Transports set `rank`, `peer`, `spec`, `_next` (seq of the next message), `_ended`, `_bad` (a
+    device flag when headers are checked on the GPU without a sync, else None) and provide
+    `_take(seq)` (wait until message `seq` is in a slot; return the slot) and `_header(seq, slot)`
+    (the header to read on the host: a host copy where there is one).
+    """
 
     peer: int
     wait_s: float = 0.0  # host time blocked waiting for data, accumulated
     bytes_received: int = 0
 
-    def recv(self) -> HiddenBatch: ...
+    def recv(self) -> HiddenBatch:
+        if self._ended:
+            raise RuntimeError(f"drafter rank {self.rank}: recv() from target rank {self.peer} after its end")
+        seq = self._next
+        slot = self._take(seq)
+        self._next = seq + 1
+        self.bytes_received += self.spec.message_bytes
+        if self._bad is not None:  # the header is on the GPU: checked there, raised by verify()
+            self._bad |= device_header_mismatch(slot.header, seq)
+            return slot.batch(seq, -1, 0)  # num_valid_tokens would need a sync: use doc_ids >= 0 on device
+        _, _, valid, flags = self._check_header(seq, slot, expect_end=False)
+        return slot.batch(seq, valid, flags)
+
+    def _check_header(self, seq: int, slot: Slot, expect_end: bool) -> list[int]:
+        header = self._header(seq, slot).tolist()
+        err = header_error(f"target rank {self.peer}", f"drafter rank {self.rank}", header, seq, expect_end)
+        if err:
+            raise RuntimeError(err)
+        return header
+
     def expect_end(self) -> None: ...
-    def verify(self) -> None: ...
+
+    def verify(self) -> None:
+        if self._bad is not None and bool(self._bad):
+            raise RuntimeError(
+                f"drafter rank {self.rank}: a message from target rank {self.peer} had a bad header "
+                "(corrupt, out of order, or an unexpected end-of-data)"
+            )
+
     def close(self) -> None: ...
 
 

@@ -61,8 +61,6 @@ from dflash_mp.transport.base import (
     backoff_sleep,
     carve_slots,
     check_batch,
-    device_header_mismatch,
-    header_error,
     new_slots,
     no_credit_msg,
     no_data_msg,
@@ -361,12 +359,12 @@ class ShmRecvChannel(RecvChannel):
         self._remote_device = remote_device
         self._next = 0
         self._ended = self._closed = False
-        self._bad = None
+        # ipc: the header arrives in device memory, so recv() checks it there (no sync)
+        self._bad = torch.zeros((), dtype=torch.bool, device=spec.device) if mode == "ipc" else None
         if mode == "cpu":
             self._local = remote  # zero copy: the drafter reads the shared slot itself
         else:
             self._local = new_slots(spec, depth)
-            self._bad = torch.zeros((), dtype=torch.bool, device=spec.device)
         if mode == "pinned":
             self._copied = [torch.cuda.Event() for _ in range(depth)]
 
@@ -397,43 +395,19 @@ class ShmRecvChannel(RecvChannel):
             self._copied[i].record()
         return dst
 
-    def _check_host(self, seq: int, expect_end: bool) -> list[int]:
-        # cpu / pinned: the header is in host memory and complete once published: no GPU sync.
-        src = self._remote[seq % self.depth] if self.mode != "ipc" else self._local[seq % self.depth]
-        header = src.header.tolist()
-        err = header_error(f"target rank {self.peer}", f"drafter rank {self.rank}", header, seq, expect_end)
-        if err:
-            raise RuntimeError(err)
-        return header
-
-    def recv(self) -> HiddenBatch:
-        if self._ended:
-            raise RuntimeError(f"drafter rank {self.rank}: recv() from target rank {self.peer} after its end")
-        seq = self._next
-        slot = self._take(seq)
-        self._next = seq + 1
-        self.bytes_received += self.spec.message_bytes
-        if self.mode == "ipc":
-            self._bad |= device_header_mismatch(slot.header, seq)
-            return slot.batch(seq, -1, 0)  # num_valid_tokens would need a sync: use doc_ids >= 0 on device
-        _, _, valid, flags = self._check_host(seq, expect_end=False)
-        return slot.batch(seq, valid, flags)
+    def _header(self, seq: int, slot: Slot) -> torch.Tensor:
+        # cpu / pinned: the producer's host copy, complete once published (no GPU sync); ipc: the
+        # device copy, a sync, read only by expect_end().
+        return slot.header if self.mode == "ipc" else self._remote[seq % self.depth].header
 
     def expect_end(self) -> None:
         seq = self._next
-        self._take(seq)
+        slot = self._take(seq)
         self._next = seq + 1
-        self._check_host(seq, expect_end=True)  # ipc: reads the device copy, a sync (fine, once)
+        self._check_header(seq, slot, expect_end=True)
         self._release(seq + 1)  # the producer's drain() waits for this
         self._ended = True
         self.verify()
-
-    def verify(self) -> None:
-        if self._bad is not None and bool(self._bad):
-            raise RuntimeError(
-                f"drafter rank {self.rank}: a message from target rank {self.peer} had a bad header "
-                "(corrupt, out of order, or an unexpected end-of-data)"
-            )
 
     def close(self) -> None:
         if self._closed:
