@@ -273,6 +273,7 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     writer.add_scalar("drafter/grad_norm", vals["grad_norm"], step)
     writer.add_scalar("drafter/tau_sim", vals["tau_sim"], step)
     writer.add_scalar("drafter/lr", lr, step)
+    writer.add_scalar("drafter/skipped_steps", tot["skipped"] / n, step)  # non-finite gradients, update skipped
     for k in range(1, b):
         writer.add_scalar(f"drafter/acc_slot_{k}", tot[f"slot_correct_{k}"] / max(tot[f"slot_count_{k}"], 1), step)
     # Wall time is the slowest rank's, but all ranks are in lock-step through the all-reduce.

@@ -197,9 +197,10 @@ class DrafterTrainer:
         self.device = device
         self.step = 0
         self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
-        fused = device.type == "cuda"
+        # Fused AdamW (CUDA and CPU): one kernel over all tensors, and it applies the clip factor
+        # and the skip of non-finite steps itself (optimizer_step).
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                     weight_decay=cfg.weight_decay, fused=fused)
+                                     weight_decay=cfg.weight_decay, fused=True)
         self.grads = GradBuffer(self.params, group)
         self.mode = resolve_compile_mode(cfg.compile, device)
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
@@ -236,10 +237,21 @@ class DrafterTrainer:
         return loss.detach()
 
     def optimizer_step(self) -> None:
-        gnorm = (torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
-                 if self.cfg.grad_clip > 0 else torch.zeros((), device=self.device))
-        self.stats.add_gnorm(gnorm.detach())
+        """Clip + AdamW + zero the gradients, with no host sync and no extra pass over the gradients.
+
+        The global norm is one reduction over the flat gradient buffer. Clipping is folded into the
+        fused AdamW kernel, which divides every gradient by `grad_scale` as it reads it (the same
+        factor `clip_grad_norm_` multiplies by, inverted), and a non-finite norm sets `found_inf`:
+        the kernel then leaves weights, moments and step counts untouched, so one bad batch costs a
+        skipped step, not NaN weights. Skips are counted (`drafter/skipped_steps`).
+        """
+        gnorm = self.grads.flat.norm()
+        found_inf = (~torch.isfinite(gnorm)).float()
+        clip = self.cfg.grad_clip
+        self.opt.grad_scale = (gnorm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
+        self.opt.found_inf = found_inf
         self.opt.step()
+        self.stats.add_gnorm(gnorm.detach(), found_inf)
         self.grads.zero()
         self.step += 1
 
@@ -265,12 +277,13 @@ class _Stats:
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)  # noqa: E731
         self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
         self.slot_correct, self.slot_count = z(self.b), z(self.b)
-        self.tau_sum, self.blocks = z(()), z(())
+        self.tau_sum, self.blocks, self.skipped = z(()), z(()), z(())
         self.steps = 0
         self.valid_tokens = 0
 
-    def add_gnorm(self, gnorm) -> None:
+    def add_gnorm(self, gnorm, skipped) -> None:
         self.gnorm += gnorm.double()
+        self.skipped += skipped.double()
 
     def add(self, loss, correct, label_mask, ctx_keys, valid_tokens: int) -> None:
         hit = correct & label_mask
@@ -289,7 +302,7 @@ class _Stats:
         """Per-rank sums, ready for a sum-reduction over the group."""
         out: dict[str, torch.Tensor | float] = {
             "loss_sum": self.loss, "gnorm_sum": self.gnorm, "ctx_keys": self.ctx_keys,
-            "tau_sum": self.tau_sum, "blocks": self.blocks, "steps": float(self.steps),
+            "tau_sum": self.tau_sum, "blocks": self.blocks, "skipped": self.skipped, "steps": float(self.steps),
             "valid_tokens": float(self.valid_tokens),
         }
         for k in range(1, self.b):
