@@ -17,7 +17,7 @@ from common import synthetic_batch  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
 
 
-def build(mode: str, scope: str) -> DrafterTrainer:
+def build(mode: str, scope: str, loss: bool = False) -> DrafterTrainer:
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
@@ -29,12 +29,13 @@ def build(mode: str, scope: str) -> DrafterTrainer:
     head = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
     obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
-    return DrafterTrainer(obj, TrainConfig(compile=mode, compile_scope=scope, warmup_ratio=0.0), 100, None, dev)
+    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=loss, warmup_ratio=0.0)
+    return DrafterTrainer(obj, cfg, 100, None, dev)
 
 
-@pytest.mark.parametrize("mode,scope", [("default", "step"), ("reduce-overhead", "step"),
-                                        ("reduce-overhead", "layers")])
-def test_compiled_losses_match_eager_and_never_recompile(mode, scope):
+@pytest.mark.parametrize("mode,scope,loss", [("default", "step", False), ("reduce-overhead", "step", False),
+                                             ("reduce-overhead", "layers", False), ("default", "layers", True)])
+def test_compiled_losses_match_eager_and_never_recompile(mode, scope, loss):
     batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
 
     def curve(tr):
@@ -50,16 +51,16 @@ def test_compiled_losses_match_eager_and_never_recompile(mode, scope):
         return out, after["graphs"] - warm["graphs"], after["cudagraph_records"] - warm["cudagraph_records"]
 
     ref, _, _ = curve(build("eager", "step"))
-    got, recompiles, rerecords = curve(build(mode, scope))
+    got, recompiles, rerecords = curve(build(mode, scope, loss))
     assert recompiles == 0 and rerecords == 0
     for a, b in zip(ref, got):
         assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 tolerance
 
 
-@pytest.mark.parametrize("mode", ["eager", "default"])
-def test_training_step_never_synchronises_the_gpu(mode):
+@pytest.mark.parametrize("mode,loss", [("eager", False), ("default", False), ("default", True)])
+def test_training_step_never_synchronises_the_gpu(mode, loss):
     """Between logging intervals the step queues work and returns: any device->host sync raises."""
-    tr = build(mode, "layers")
+    tr = build(mode, "layers", loss)
     batch = synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=0, lo=64, hi=300)
     for _ in range(3):  # compile and warm up outside the check
         tr.train_step(batch)
