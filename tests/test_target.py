@@ -3,7 +3,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_mp.batch import PackedBatch
-from dflash_mp.target import TargetWorker, block_diagonal_causal_mask, default_layer_ids, truncate
+from dflash_mp.target import (
+    FLEX_OUTSIDE_GRAPH,
+    TargetWorker,
+    block_diagonal_causal_mask,
+    default_layer_ids,
+    truncate,
+)
 
 
 def tiny_model(tmp_path, layers=6):
@@ -51,6 +57,24 @@ def test_packed_forward_equals_per_document_forward(tmp_path):
         want = torch.cat([ref[i + 1][0] for i in layer_ids], dim=-1)  # layer i = hidden_states[i + 1]
         torch.testing.assert_close(hb.hidden[o:o + L], want, rtol=1e-4, atol=1e-5)
         o += L
+
+
+def test_compiled_target_runs_flex_outside_the_graph_and_matches_eager(tmp_path):
+    """Compiled, flex_attention stays its own kernel (a graph break), and the captured states are unchanged."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(tmp_path)
+    model.config._attn_implementation = "flex_attention"
+    layer_ids = [1, 2, 3]
+    truncate(model, max(layer_ids))
+    pb = packed([7, 12, 5], 32)
+    want = TargetWorker(model, layer_ids, torch.device("cpu")).forward(pb).hidden
+    breaks = sum(counters["graph_break"].values())
+    worker = TargetWorker(model, layer_ids, torch.device("cpu"), compile=True)
+    assert model.config._attn_implementation == FLEX_OUTSIDE_GRAPH
+    got = worker.forward(pb).hidden
+    assert sum(counters["graph_break"].values()) > breaks
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_later_layers_and_lm_head_never_run(tmp_path):
