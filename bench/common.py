@@ -92,3 +92,38 @@ def write_json(obj, name: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, name), "w") as f:
         json.dump(obj, f, indent=2)
+
+
+KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler reports them
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("flex_attention", ("flex", "triton_tem")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),
+    ("fused_triton", ("triton_",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduce", ("reduce", "norm")),
+)
+
+
+def kernel_profile(step, device, n: int = 3, top: int = 30) -> dict:
+    """GPU time per kernel class over `n` calls of `step` (ms per call), and the `top` costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize(device)
+    per: dict[str, float] = {}
+    kernels = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not us or ev.key.startswith("ProfilerStep"):
+            continue
+        name = ev.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k.lower() in name for k in keys)), "other")
+        per[cls] = per.get(cls, 0.0) + us / 1000 / n
+        kernels.append((us / 1000 / n, ev.count // n, ev.key[:120]))
+    kernels.sort(reverse=True)
+    return {"ms_per_step_by_class": dict(sorted(per.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"ms": round(ms, 3), "calls": c, "name": k} for ms, c, k in kernels[:top]]}

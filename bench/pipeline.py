@@ -1,6 +1,6 @@
 """Pipeline efficiency of a 1+1 run on one GPU (target and drafter ranks share it through the shm ring).
 
-    bash bench/pipeline_1gpu.sh          # runs the three measurements, then this script
+    bash bench/run_h200.sh pipeline     # runs the measurements, then this script
 
 efficiency = measured samples/s / (1 / (t_target + t_drafter)), where t_target (one packed row
 through the truncated target) and t_drafter (one drafter step) are measured alone in the same call:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--target-json", required=True, help="bench/target_forward.py output")
     ap.add_argument("--target-variant", default="trunc-flex")
     ap.add_argument("--drafter-json", required=True, help="bench/drafter_step.py output")
-    ap.add_argument("--drafter-mode", default="default")
+    ap.add_argument("--drafter-mode", default="default+loss", help="the mode train.compile=auto runs on a GPU")
     ap.add_argument("--run-dir", required=True, help="run_dir of the 1+1 dflash_mp.main run")
     ap.add_argument("--skip", type=int, default=20, help="steps excluded as warm-up")
     a = ap.parse_args()

@@ -3,6 +3,10 @@ document masks, capturing 5 layers): tokens/s and MFU per attention kernel / com
 what stopping after the last captured layer saves against a full forward with output_hidden_states.
 
     python bench/target_forward.py --variants full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled
+
+`trunc-flex-compiled-ingraph` traces flex_attention into the compiled graph (Inductor then fuses the q/k
+norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it out (dflash_mp.target).
+Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import sys
 
 import torch
 
-from common import QWEN3_8B_TARGET, median, synthetic_batch, timed, write_json
+from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, timed, write_json
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
@@ -23,7 +27,8 @@ PEAK = 790e12
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled")
+    ap.add_argument("--variants", default="full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled,"
+                                          "trunc-flex-compiled-ingraph")
     ap.add_argument("--seq-len", type=int, default=3072)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
@@ -56,6 +61,7 @@ def main() -> None:
     ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
     variants = a.variants.split(",")
     truncated = False
+    first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     for v in variants:
         try:
             if v.startswith("full"):
@@ -76,7 +82,8 @@ def main() -> None:
                     truncated = True
                 attn = "sdpa" if "sdpa" in v else "flex_attention"
                 model.config._attn_implementation = attn
-                worker = TargetWorker(model, layer_ids, device, compile=v.endswith("compiled"))
+                worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
+                                      flex_in_graph=v.endswith("ingraph"))
                 fn = lambda: worker.forward(pb)  # noqa: E731
                 f = flops(max(layer_ids) + 1, False)
             warm = timed(fn, 3, device)
@@ -86,19 +93,32 @@ def main() -> None:
             med = median(ms)
             r = {"variant": v, "ms": med, "tokens_per_s": a.seq_len * 1000 / med, "tflop": f / 1e12,
                  "mfu": f / (med / 1000) / PEAK, "warmup_ms": warm, "recompiles": c1["graphs"] - c0["graphs"]}
+            if not v.startswith("full"):
+                h = fn().hidden.float()
+                if first is None:
+                    first = (v, h)
+                else:  # same model, same batch: only kernels and fusion differ
+                    r[f"rel_diff_vs_{first[0]}"] = float((h - first[1]).abs().max() / first[1].abs().max())
+            if device.type == "cuda":  # where the time goes (after the timed runs, so it cannot skew them)
+                r["profile"] = kernel_profile(fn, device, top=15)
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
         res["variants"].append(r)
         print(r, flush=True)
         write_json(res, "target_qwen3_8b.json" if not a.tiny else "target_tiny.json")
     print(f"\ntarget forward, T={a.seq_len}, docs {lens}, layers {layer_ids} on {res['device']}")
-    print(f"{'variant':24} {'ms':>8} {'tok/s':>10} {'TFLOP':>7} {'MFU':>6} {'recomp':>6}")
+    print(f"{'variant':28} {'ms':>8} {'tok/s':>10} {'TFLOP':>7} {'MFU':>6} {'recomp':>6} {'max rel diff':>12}")
     for r in res["variants"]:
         if "error" in r:
-            print(f"{r['variant']:24} ERROR {r['error'][:120]}")
+            print(f"{r['variant']:28} ERROR {r['error'][:120]}")
         else:
-            print(f"{r['variant']:24} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['tflop']:7.2f} {r['mfu']:6.3f} "
-                  f"{r['recompiles']:6d}")
+            diff = next((f"{x:12.2e}" for k, x in r.items() if k.startswith("rel_diff")), f"{'':12}")
+            print(f"{r['variant']:28} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['tflop']:7.2f} {r['mfu']:6.3f} "
+                  f"{r['recompiles']:6d} {diff}")
+    for r in res["variants"]:
+        if r.get("profile"):
+            cls = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["ms_per_step_by_class"].items())
+            print(f"{r['variant']} GPU ms by kernel class: {cls}")
 
 
 if __name__ == "__main__":
