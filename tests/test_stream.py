@@ -1,5 +1,7 @@
 """ShardStream: disjoint covering shards, exact epochs, and a cursor that resumes identically."""
 
+import multiprocessing as mp
+import os
 import random
 
 import datasets
@@ -126,3 +128,41 @@ def test_build_stream_on_the_demo_data():
             assert b.num_valid_tokens > 64 and int(b.loss_mask.sum()) > 0
     with pytest.raises(ValueError, match="eval_fraction"):
         build_stream(DataConfig(), tok, 0, 1, part="eval")
+
+
+def _tokenize_concurrently(barrier, calls_dir: str, rank: int, queue) -> None:
+    """Child process: count this process's tokenizer calls, then build the stream with the others."""
+    from dflash_mp.data import chat
+
+    encode = chat.ChatEncoder.__call__
+
+    def counting(self, batch):
+        with open(os.path.join(calls_dir, f"rank{rank}"), "a") as f:
+            f.write(f"{len(next(iter(batch.values())))}\n")
+        return encode(self, batch)
+
+    chat.ChatEncoder.__call__ = counting
+    tok = build_demo_tokenizer(demo_texts())
+    barrier.wait()  # start together, as the target ranks of one node do
+    stream = build_stream(DataConfig(seq_len=128), tok, 0, 1)
+    queue.put((rank, next(stream).input_ids.tolist()))
+
+
+def test_ranks_on_a_node_tokenize_once_and_share_the_cache(tmp_path, monkeypatch):
+    """Three processes build the same stream at once: one tokenizes, the others load its cached rows."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_tokenize_concurrently, args=(barrier, str(calls), r, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    first = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert first[0] == first[1] == first[2]  # same rows, same order
+    tokenized = sorted(f.name for f in calls.iterdir())
+    assert len(tokenized) == 1, f"tokenized by {tokenized}; one process should, the others load the cache"
+    assert sum(int(n) for n in (calls / tokenized[0]).read_text().split()) == 800

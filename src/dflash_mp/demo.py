@@ -14,6 +14,8 @@ target device at load time. Realistic-shape GPU benchmarks of the whole pipeline
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -133,6 +135,19 @@ def write_atomic(out_dir: str, save) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def file_lock(path: str):
+    """An exclusive lock between processes of one machine (flock on `path`; the OS drops it if the
+    holder dies)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:

@@ -20,7 +20,6 @@ for an untrained one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib
 import inspect
@@ -34,7 +33,15 @@ import time
 
 import torch
 
-from .demo import TINY_QWEN3, build_demo_tokenizer, default_cache_dir, demo_qwen3_config, demo_texts, write_atomic
+from .demo import (
+    TINY_QWEN3,
+    build_demo_tokenizer,
+    default_cache_dir,
+    demo_qwen3_config,
+    demo_texts,
+    file_lock,
+    write_atomic,
+)
 
 LEARNED_TARGET = "builtin:learned-qwen3"
 # Bump when the corpus recipe, the tokenizer, the shapes or the training recipe change.
@@ -184,26 +191,12 @@ def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_ev
     return write_atomic(out_dir, save)
 
 
-@contextlib.contextmanager
-def _build_lock(path: str):
-    """Only one process trains the target; the others wait and then read its copy."""
-    import fcntl
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def resolve_learned_target(cache_dir: str | None = None, size: str = "tiny") -> str:
     """The cached learned target's directory, trained on first use (race-safe across processes)."""
     out = learned_target_dir(cache_dir, size)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    with _build_lock(out + ".lock"):
+    with file_lock(out + ".lock"):  # one process trains it; the others wait, then read its copy
         if not os.path.isfile(os.path.join(out, "config.json")):
             train_learned_target(out, size=size)
     return out

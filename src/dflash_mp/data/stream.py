@@ -7,6 +7,9 @@ same sequence of batches without saving any data-dependent state.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,6 +20,7 @@ import pyarrow.compute as pc
 from dflash_mp.batch import PackedBatch
 from dflash_mp.data.chat import load_conversations, tokenize_dataset
 from dflash_mp.data.packing import pack_rows, plan_batches
+from dflash_mp.demo import file_lock
 
 
 @dataclass
@@ -134,6 +138,23 @@ class ShardStream:
         return dict(self.counters)
 
 
+@contextlib.contextmanager
+def _tokenize_in_turn(raw: datasets.Dataset):
+    """Processes on one node tokenizing the same file-backed data set take turns.
+
+    Every target rank tokenizes the whole data set (so shards and skip counts agree). Run at once,
+    8 ranks of a node would each tokenize it from scratch; in turn, the first one writes the
+    tokenized rows to the `datasets` cache and the others load them from there.
+    In-memory data sets have no cache to share, so they do not wait. The lock file is node-local
+    and keyed by the data set's fingerprint, so unrelated jobs never wait on each other.
+    """
+    if not raw.cache_files:
+        yield
+        return
+    with file_lock(os.path.join(tempfile.gettempdir(), f"dflash_mp-tokenize-{raw._fingerprint}.lock")):
+        yield
+
+
 def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,
                  vocab_limit: int | None = None, part: str = "train") -> ShardStream:
     """Load, tokenize (the whole data set, so shards and skip counts agree on every rank) and shard.
@@ -147,7 +168,9 @@ def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
-    tokenized, skipped = tokenize_dataset(load_conversations(cfg), tokenizer, cfg, vocab_limit)
+    raw = load_conversations(cfg)
+    with _tokenize_in_turn(raw):
+        tokenized, skipped = tokenize_dataset(raw, tokenizer, cfg, vocab_limit)
     if cfg.eval_fraction > 0:
         train, held_out = split_eval(tokenized, cfg.eval_fraction, cfg.seed)
         tokenized = train if part == "train" else held_out
