@@ -222,12 +222,18 @@ def test_drafter_killed_while_writing_a_checkpoint_resumes_from_the_previous_one
 HANG = SMALL + ["train.max_steps=12", "transport.timeout_s=6", "topology.timeout_s=12", "train.stop_grace_s=5"]
 
 
-@pytest.mark.slow
-def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
-    rc, out, end = run(2, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="0:3:hang")
+def run_failing(tmp_path, world: int, fault: str) -> tuple[str, float]:
+    """A 1-target job that must fail after `fault`: (its output, seconds from the fault to its end)."""
+    rc, out, end = run(world, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault=fault)
     took = end - fault_time(out)
     print(f"job ended {took:.1f} s after the fault")
     assert rc != 0
+    return out, took
+
+
+@pytest.mark.slow
+def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
+    out, took = run_failing(tmp_path, 2, "0:3:hang")
     assert "drafter rank 1 failed" in out and "no data from target rank 0 for 6 s" in out, out[-4000:]
     assert took < 6 + 15, took  # transport timeout, then the failed drafter's exit and teardown
 
@@ -235,20 +241,14 @@ def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
 @pytest.mark.slow
 def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path):
     # Rank 2 hangs: the target waits for its credit, drafter 1 waits in the gradient all-reduce.
-    rc, out, end = run(3, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="2:3:hang")
-    took = end - fault_time(out)
-    print(f"job ended {took:.1f} s after the fault")
-    assert rc != 0
+    out, took = run_failing(tmp_path, 3, "2:3:hang")
     assert "target rank 0 failed" in out and "no credit from drafter rank 2" in out, out[-4000:]
     assert took < 12 + 15, took  # bounded by the process-group timeout at worst
 
 
 @pytest.mark.slow
 def test_dead_drafter_without_restart_ends_the_job_promptly(tmp_path):
-    rc, out, end = run(2, HANG + [f"run_dir={tmp_path}", "topology.num_target_ranks=1"], fault="1:3:kill")
-    took = end - fault_time(out)
-    print(f"job ended {took:.1f} s after the fault")
-    assert rc != 0
+    out, took = run_failing(tmp_path, 2, "1:3:kill")
     assert re.search(r"rank\s*: 1 .*\n.*\n.*exitcode\s*: -9", out) or "drafter rank 1" in out, out[-4000:]
     assert took < 15, took
 

@@ -1,5 +1,6 @@
-"""Same-node shared-memory transport on real processes: the p2p scenarios again, plus cleanup and
-peer death. CPU slots here; the CUDA IPC and pinned-host variants run under @pytest.mark.gpu."""
+"""Same-node shared-memory transport on real processes: cleanup and peer death, and the CUDA IPC and
+pinned-host slot variants (@pytest.mark.gpu). The scenarios every transport passes are in
+test_transport.py."""
 
 from __future__ import annotations
 
@@ -12,17 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import RankFailure, process_context, run_ranks
-from test_transport_p2p import (
-    check_backpressure,
-    check_silent,
-    check_stream,
-    make_batch,
-    rank_end_mismatch,
-    rank_fan,
-    rank_silent,
-    rank_stream,
-    setup,
-)
+from transport_utils import check_backpressure, check_stream, make_batch, rank_stream, setup
 
 from dflash_mp.transport import shm
 
@@ -31,50 +22,6 @@ def leftovers(pids) -> list[str]:
     """/dev/shm names created by any of `pids` (names carry the creator pid)."""
     prefixes = tuple(f"{shm.PREFIX}{pid}_" for pid in pids)
     return [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
-
-
-# ---------------------------------------------------------------- the shared scenarios
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_stream_order_exact_slots_end(dtype_name):
-    depth, n = 2, 60
-    tgt, dft = check_stream(run_ranks(rank_stream, 2, "shm", n, depth, dtype_name, timeout=60), depth, n)
-    assert tgt["stall_ms"] < 2000
-    assert tgt["names"] == dft["names"] and tgt["names"][0].startswith(shm.PREFIX)
-
-
-def test_backpressure_slow_consumer():
-    depth, n, delay = 3, 12, 0.03
-    results = run_ranks(rank_stream, 2, "shm", n, depth, "float32", delay, timeout=60)
-    tgt, _ = check_stream(results, depth, n)
-    check_backpressure(results, depth)
-    assert max(tgt["in_flight"]) == depth
-    assert tgt["stall_ms"] > 0.5 * (n - depth) * delay * 1e3
-
-
-@pytest.mark.parametrize("num_targets", [1, 2], ids=["1to2", "2to1"])
-def test_multiple_pairs(num_targets):
-    results = run_ranks(rank_fan, 3, "shm", num_targets, 20, timeout=60)
-    if num_targets == 1:
-        assert results[0]["sent"] == {1: 20, 2: 20}
-        assert results[1]["received"] == {0: 20} and results[2]["received"] == {0: 20}
-    else:
-        assert results[2]["received"] == {0: 10, 1: 10}
-
-
-@pytest.mark.parametrize("silent_role", ["target", "drafter"])
-def test_timeout_names_the_silent_peer(silent_role):
-    timeout_s = 1.0
-    results = run_ranks(rank_silent, 2, "shm", silent_role, timeout_s, timeout_s + 1.0, timeout=30)
-    text = "no data from target rank 0" if silent_role == "target" else "no credit from drafter rank 1"
-    check_silent(results, silent_role, timeout_s, text)
-
-
-def test_end_of_data_mismatches():
-    results = run_ranks(rank_end_mismatch, 2, "shm", 2, 3, timeout=60, allow_failures=True)
-    assert "recv 2" in results[1] and "end-of-data at seq 2" in results[1]
-    results = run_ranks(rank_end_mismatch, 2, "shm", 3, 2, timeout=60, allow_failures=True)
-    assert "expect_end" in results[1] and "expected end-of-data" in results[1]
-    assert isinstance(results[0], RankFailure) and "drafter rank 1" in results[0].error
 
 
 # ---------------------------------------------------------------- cleanup and peer death
