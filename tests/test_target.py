@@ -12,9 +12,12 @@ from dflash_mp.target import (
 )
 
 
-def tiny_model(tmp_path, layers=6):
+def tiny_model(tmp_path, layers=6, window=None):
+    """`window`: layers 2.. are sliding-window layers of that width (transformers' own masks)."""
+    sliding = dict(use_sliding_window=True, max_window_layers=2, sliding_window=window) if window else {}
     cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      **sliding)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     return AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -41,12 +44,17 @@ def test_default_layer_ids_match_qwen3_8b():
         default_layer_ids(6, 9)
 
 
-def test_packed_forward_equals_per_document_forward(tmp_path):
-    model = tiny_model(tmp_path)
+@pytest.mark.parametrize("attn,window", [("sdpa", None), ("sdpa", 4), ("flex_attention", 4)])
+def test_packed_forward_equals_per_document_forward(tmp_path, attn, window):
+    """Packed rows of several documents give each document what it gets alone, sliding-window
+    layers (window 4 < the documents' lengths) included."""
+    model = tiny_model(tmp_path, window=window)
+    model.config._attn_implementation = attn
     full = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     layer_ids = [1, 2, 3]
     truncate(model, max(layer_ids))
     worker = TargetWorker(model, layer_ids, torch.device("cpu"))
+    assert worker.window == window
     pb = packed([7, 12, 5], 32)
     hb = worker.forward(pb)
     assert hb.hidden.shape == (32, 3 * 32)

@@ -143,13 +143,18 @@ def resolve_attn(name: str, device: torch.device) -> str:
     return name
 
 
-def doc_causal_block_mask(doc_ids: torch.Tensor):
+def doc_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):
     """flex_attention BlockMask of the packed-document causal mask: no dense [T, T] tensor, and
-    blocks outside every document's triangle are skipped by the kernel."""
-    def mask_mod(b, h, q, kv):
+    blocks outside every document's triangle are skipped by the kernel. `window`: sliding-window
+    layers also require q - kv < window (transformers' sliding-window mask)."""
+    def causal(b, h, q, kv):
         return (doc_ids[q] == doc_ids[kv]) & (kv <= q)
 
+    def windowed(b, h, q, kv):
+        return (doc_ids[q] == doc_ids[kv]) & (kv <= q) & (q - kv < window)
+
     t = doc_ids.shape[0]
+    mask_mod = causal if window is None else windowed
     return _compiled_create_block_mask()(mask_mod, None, None, t, t, device=doc_ids.device)
 
 
@@ -165,13 +170,26 @@ def _compiled_create_block_mask():
     return _CBM
 
 
-def block_diagonal_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool: token i sees token j iff same document and j <= i (padding sees itself)."""
+def block_diagonal_causal_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[1, 1, T, T] bool: token i sees token j iff same document and j <= i (padding sees itself);
+    with `window`, also i - j < window."""
     t = doc_ids.shape[0]
     same = doc_ids[:, None] == doc_ids[None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(-(window - 1))
     eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
     return ((same & causal) | eye)[None, None]
+
+
+def sliding_window_of(config) -> int | None:
+    """The window of the target's sliding-window layers, None if it has none."""
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or []):
+        return None
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        raise ValueError(f"the target has sliding_attention layers but sliding_window={window!r} in its config")
+    return int(window)
 
 
 # The name under which `_flex_outside_graph` is registered with transformers' attention functions.
@@ -212,6 +230,7 @@ class TargetWorker:
         self.model = model
         self.decoder = model.get_decoder()
         self.flex = model.config._attn_implementation in ("flex_attention", FLEX_OUTSIDE_GRAPH)
+        self.window = sliding_window_of(model.config)
         if compile and self.flex and not flex_in_graph:
             model.config._attn_implementation = _register_flex_outside_graph()
         self._captured: dict[int, torch.Tensor] = {}
@@ -246,12 +265,21 @@ class TargetWorker:
         self._captured.clear()
         return hidden
 
+    def masks(self, docs: torch.Tensor):
+        """The packed-document mask; for targets with sliding-window layers, one per layer type (a
+        mask passed as is would give sliding layers the whole document)."""
+        build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
+        full = build(docs)
+        if self.window is None:
+            return full
+        return {"full_attention": full, "sliding_attention": build(docs, self.window)}
+
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> HiddenBatch:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         pos = batch.position_ids.to(self.device, non_blocking=True)
         docs = batch.doc_ids.to(self.device, non_blocking=True)
-        mask = doc_causal_block_mask(docs) if self.flex else block_diagonal_causal_mask(docs)
+        mask = self.masks(docs)
         hidden = self._run(ids, pos, mask)
         return HiddenBatch(
             hidden=hidden,
