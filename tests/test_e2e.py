@@ -39,6 +39,13 @@ def test_split_trains_end_to_end_and_equals_one_process_reference(tmp_path, targ
                 "throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu", "comm/wait_ms",
                 "compile/recompiles"):
         assert tag in tags, tag
+    # Where each logged step's time went: the phases of the step fit in the interval's wall time.
+    phases = ("time/fwd_bwd_ms", "time/allreduce_ms", "time/optimizer_ms")
+    for r in rows:
+        assert all(r[p] >= 0 for p in phases) and r["time/fwd_bwd_ms"] > 0
+        step_ms = 1000 * (world - targets) / r["throughput/samples_per_s"]  # log_every=1: one step per row
+        assert sum(r[p] for p in phases) <= step_ms
+    assert all("time/logging_ms" in r for r in rows if r["step"] > 1)
     target_tags = set().union(*scalars(run_dir, "target"))
     assert {"target/tokens_per_s", "target/mfu", "comm/stall_ms", "comm/in_flight"} <= target_tags
 

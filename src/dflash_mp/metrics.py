@@ -58,6 +58,7 @@ def dashboard_layout() -> dict:
             "tokens/s per role": multi("throughput/tokens_per_s", "target/tokens_per_s"),
             "MFU per role": multi("throughput/mfu", "target/mfu"),
             "drafter samples/s": multi("throughput/samples_per_s"),
+            "drafter step phases and logging (ms)": multi(r"time/.*", "comm/wait_ms"),
         },
         "communication": {
             "drafter wait / target stall (ms)": multi("comm/wait_ms", "comm/stall_ms"),

@@ -207,7 +207,7 @@ def run_drafter(ctx: RunContext) -> None:
         if lead:
             writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
         ctx.graphs_after_warmup = compile_counts()["graphs"]  # also starts counting CUDA graph recordings
-        t0, wait_s, last_logged = time.perf_counter(), 0.0, start
+        t0, wait_s, last_logged, log_ms = time.perf_counter(), 0.0, start, None
         fault = fault_from_env()
         agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
         tally = DataTally(ctx.device)
@@ -219,16 +219,19 @@ def run_drafter(ctx: RunContext) -> None:
             hb = receiver.recv(topo.source_for_step(topo.rank, step))
             wait_s += time.perf_counter() - tw
             tally.add(hb)
-            lr = trainer.train_step(hb)
             done = step + 1
+            logs = done % job.logging.log_every == 0 or done == num_steps
+            lr = trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
             if done - start <= WARMUP_STEPS:  # first forward/backward compile; graphs record on the next calls
                 ctx.graphs_after_warmup = compile_counts()["graphs"]
-            if done % job.logging.log_every == 0 or done == num_steps:
+            if logs:
                 receiver_verify(receiver)
-                vals = log_drafter(ctx, trainer, writer, done, lr, time.perf_counter() - t0, wait_s,
-                                   step_flops, shape, args.block_size, tally)
+                tl = time.perf_counter()
+                vals = log_drafter(ctx, trainer, writer, done, lr, tl - t0, wait_s,
+                                   step_flops, shape, args.block_size, tally, log_ms)
                 bar.update(done - last_logged, {"loss": vals["loss"], "tau": vals["tau_sim"]})
                 t0, wait_s, last_logged = time.perf_counter(), 0.0, done
+                log_ms = 1000 * (t0 - tl)
             if agree.drafter_after(done):  # SIGTERM somewhere: stop here with a checkpoint
                 end = done
                 break
@@ -256,8 +259,11 @@ def receiver_verify(receiver) -> None:
         verify()
 
 
-def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b, tally=None) -> dict[str, float]:
+def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b, tally=None,
+                log_ms=None) -> dict[str, float]:
+    """`log_ms`: host time the previous logging step took (sync, reductions, writes), None at first."""
     topo = ctx.topo
+    phases = trainer.phase_ms()  # before the reductions below: reads events the last step recorded
     s = trainer.stats.pop()
     if tally is not None:
         s.update(tally.pop())  # same all-reduce
@@ -284,6 +290,11 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     writer.add_scalar("throughput/tokens_per_s", samples * ctx.job.data.seq_len / dt, step)
     writer.add_scalar("throughput/mfu", flops / n / dt / (ctx.job.logging.peak_tflops * 1e12), step)
     writer.add_scalar("comm/wait_ms", 1000 * wait_s / max(steps, 1), step)
+    # Where the last step's time went (this rank; GPU time between events on CUDA), and what logging costs.
+    for name, ms in phases.items():
+        writer.add_scalar(f"time/{name}_ms", ms, step)
+    if log_ms is not None:
+        writer.add_scalar("time/logging_ms", log_ms, step)
     if tally is not None:  # what the drafters consumed in this interval: proves nothing lost or repeated
         for k in ("docs", "tokens", "checksum"):
             writer.add_scalar(f"data/{k}", tot[f"data_{k}"], step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -209,14 +210,33 @@ class DrafterTrainer:
         self.autocast = prec == "bf16"
         b = objective.args.block_size
         self.stats = _Stats(b, device)
+        self._marks: _Marks | None = None  # time points of the last timed step
 
-    def train_step(self, hb: HiddenBatch) -> float:
-        """One optimizer step on this rank's batch; gradients averaged over the drafter group."""
+    def train_step(self, hb: HiddenBatch, timed: bool = False) -> float:
+        """One optimizer step on this rank's batch; gradients averaged over the drafter group.
+
+        `timed`: record where this step's time goes (`phase_ms()`), without a host sync.
+        """
         lr = self.set_lr()
+        marks = _Marks(self.device) if timed else None
         self.forward_backward(hb)
+        if marks:
+            marks.add("fwd_bwd")
         self.grads.allreduce()
+        if marks:
+            marks.add("allreduce")
         self.optimizer_step()
+        if marks:
+            marks.add("optimizer")
+            self._marks = marks
         return lr
+
+    def phase_ms(self) -> dict[str, float]:
+        """{fwd_bwd, allreduce, optimizer: ms} of the last timed step, then forgotten ({} if none).
+        Read it where the host has synchronised anyway (the logging step): on CUDA the phases are
+        events in the stream, done by then."""
+        marks, self._marks = self._marks, None
+        return marks.read() if marks else {}
 
     def set_lr(self) -> float:
         lr = lr_at(self.step, self.num_steps, self.cfg)
@@ -264,6 +284,34 @@ class DrafterTrainer:
         self.objective.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.step = state["step"]
+
+
+class _Marks:
+    """Time points of one step: CUDA events recorded in the stream (no sync), or wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.points: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, name: str) -> None:
+        self.points.append((name, self._now()))
+
+    def read(self) -> dict[str, float]:
+        out = {}
+        for (_, a), (name, b) in zip(self.points, self.points[1:]):
+            if self.cuda:
+                b.synchronize()  # already complete where this is called; no real wait
+                out[name] = a.elapsed_time(b)
+            else:
+                out[name] = 1000 * (b - a)
+        return out
 
 
 class _Stats:
