@@ -93,8 +93,24 @@ def test_files_receiver_shards_batches_over_drafters_and_seeks(tmp_path):
             rx.expect_end(FILES_SOURCE)
             rx.verify()
         seen[rank] = got
-    # step s: drafter k takes global batch (2s + k) mod 5
-    assert seen == {0: [0, 2, 4, 1], 1: [1, 3, 0, 2]}
+    # First pass: step s, drafter k takes batch 2s + k (0..4); the second pass is shuffled.
+    assert seen[0][:3] == [0, 2, 4] and seen[1][:2] == [1, 3]
+    second = [seen[1][2], seen[0][3], seen[1][3]]  # positions 5, 6, 7: the start of the second pass
+    assert len(set(second)) == 3 and set(second) <= set(range(5))
+
+
+def test_files_receiver_visits_every_batch_once_per_pass_in_a_new_order(tmp_path):
+    fake_dump(tmp_path, [7])
+    spec = SlotSpec(T, H, torch.float32, "cpu")
+    topo = Topology.plan(0, 0, 1, allow_no_target=True)
+    with build_transport(TransportConfig(kind="files", files_dir=str(tmp_path)), topo, spec) as rx:
+        order = [int(rx.recv().input_ids[0]) for _ in range(4 * 7)]
+        passes = [order[i:i + 7] for i in range(0, 28, 7)]
+        assert passes[0] == list(range(7))  # the streaming order
+        assert all(sorted(p) == list(range(7)) for p in passes)  # each batch once per pass
+        assert len({tuple(p) for p in passes}) == 4  # and every pass in its own order
+        rx.seek(9)  # resuming mid-pass reads what the uninterrupted run read
+        assert [int(rx.recv().input_ids[0]) for _ in range(10)] == order[9:19]
 
 
 def test_files_kind_needs_a_drafter_only_job(tmp_path):

@@ -9,8 +9,11 @@ Layout of a dump directory (written by `dflash_mp.dump`):
 
 Batch order is deterministic: the batches of all dump ranks interleaved round robin (batch 0 of every
 rank, then batch 1, ...), the same order a streaming target group feeds them. Drafter `k` of `n`
-takes global batch `(step * n + k) mod num_batches` at drafter step `step`, so with one dump rank it
-sees exactly the batches a streaming job with one target rank would have sent it. Reads run one
+takes position `g = step * n + k` at drafter step `step`: in the first pass over the dump, batch `g`,
+so with one dump rank it sees exactly the batches a streaming job with one target rank would have
+sent it; pass `p >= 1` visits the batches in a permutation seeded by (data seed, p), so later
+passes do not repeat the first one's order (a dump cannot re-pack its rows as a streaming target
+does each epoch). Reads run one
 batch ahead on a helper thread that only touches CPU tensors; the copy into the fixed receive
 buffers (stable addresses, like transport slots) happens on the caller's thread.
 """
@@ -22,6 +25,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from dflash_mp.batch import TOKEN_FIELDS, HiddenBatch
@@ -70,6 +74,8 @@ class FilesReceiver:
             raise ValueError(f"the dump in {files_dir} holds no batches.")
         self.spec = spec
         self.me, self.num = topology.role_rank, topology.role_size
+        self._seed = int(m.get("data", {}).get("seed", 0))
+        self._perms: dict[int, list[int]] = {}
         self.step = 0
         self.wait_s, self.bytes_received = 0.0, 0
         self._last: dict[str, float] = {}
@@ -88,7 +94,17 @@ class FilesReceiver:
         return len(self.index)
 
     def global_batch(self, step: int) -> int:
-        return (step * self.num + self.me) % len(self.index)
+        """The dump batch this drafter reads at `step` (see the module docstring); pure in `step`,
+        so a resumed job reads what the uninterrupted one would have."""
+        n = len(self.index)
+        p, i = divmod(step * self.num + self.me, n)
+        if p == 0:
+            return i
+        if p not in self._perms:
+            if len(self._perms) >= 2:  # this pass and the next are all the prefetcher needs
+                self._perms.pop(min(self._perms))
+            self._perms[p] = np.random.default_rng([self._seed, p]).permutation(n).tolist()
+        return self._perms[p][i]
 
     def seek(self, step: int) -> None:
         """Continue at drafter step `step` (resume)."""
