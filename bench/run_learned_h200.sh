@@ -14,25 +14,21 @@ WORK=${WORK:-/tmp/learned_medium}
 LIMIT=${LIMIT:-570}  # seconds for the whole script (the device call allows 600)
 t0=$SECONDS
 say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$R/call.log"; }
-(timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_trainer_compile.py \
-    tests/test_transport_shm.py::test_cuda_stream \
-    tests/test_drafter.py::test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles \
-    > "$R/gpu_tests.log" 2>&1; echo "rc $?" >> "$R/gpu_tests.log") &
+(OUT="$R" bash bench/run_h200.sh tests > /dev/null) &  # the CUDA-only tests, as run_h200.sh runs them
 tests=$!
 timeout 200 python3 -m dflash_mp.learned build-target --size medium > "$R/build_target.log" 2>&1
 say "build-target rc $?"
 wait $tests
-say "gpu tests: $(tail -2 "$R/gpu_tests.log" | tr '\n' ' ')"
+say "gpu tests: $(grep -E "passed|failed" "$R/run_h200.log" | tail -1)"
 timeout 330 python3 -m dflash_mp.learned pipeline --work "$WORK" --size medium > "$R/pipeline.log" 2>&1
 say "pipeline rc $?"
 cp "$WORK"/reports.json "$WORK"/eval_*.json "$R/" 2>/dev/null
 cp "$WORK/run/tb/drafter/scalars.jsonl" "$R/learned_medium_drafter_scalars.jsonl" 2>/dev/null
 left=$((LIMIT - (SECONDS - t0) - 15))
 if [ "$left" -gt 60 ]; then
-    (cd bench && OUT="$R" timeout "$left" python3 target_forward.py --variants trunc-flex,trunc-flex-compiled \
-        --steps 10 > "$R/target_forward.log" 2>&1)
-    say "target forward rc $?"
+    OUT="$R" T_TARGET=$left TARGET_VARIANTS=trunc-flex,trunc-flex-compiled bash bench/run_h200.sh target > /dev/null
+    say "target forward done"
 fi
 mkdir -p "$OUT" && tar czf "$OUT/results.tgz" -C "$R" .
 tail -4 "$R/pipeline.log"
-tail -8 "$R/target_forward.log" 2>/dev/null
+grep -A4 "^target forward" "$R/run_h200.log"

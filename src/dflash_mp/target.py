@@ -147,14 +147,11 @@ def doc_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):
     """flex_attention BlockMask of the packed-document causal mask: no dense [T, T] tensor, and
     blocks outside every document's triangle are skipped by the kernel. `window`: sliding-window
     layers also require q - kv < window (transformers' sliding-window mask)."""
-    def causal(b, h, q, kv):
-        return (doc_ids[q] == doc_ids[kv]) & (kv <= q)
-
-    def windowed(b, h, q, kv):
-        return (doc_ids[q] == doc_ids[kv]) & (kv <= q) & (q - kv < window)
+    def mask_mod(b, h, q, kv):
+        seen = (doc_ids[q] == doc_ids[kv]) & (kv <= q)
+        return seen if window is None else seen & (q - kv < window)
 
     t = doc_ids.shape[0]
-    mask_mod = causal if window is None else windowed
     return _compiled_create_block_mask()(mask_mod, None, None, t, t, device=doc_ids.device)
 
 

@@ -138,7 +138,6 @@ class ShardStream:
         return dict(self.counters)
 
 
-@contextlib.contextmanager
 def _tokenize_in_turn(raw: datasets.Dataset):
     """Processes on one node tokenizing the same file-backed data set take turns.
 
@@ -149,10 +148,8 @@ def _tokenize_in_turn(raw: datasets.Dataset):
     and keyed by the data set's fingerprint, so unrelated jobs never wait on each other.
     """
     if not raw.cache_files:
-        yield
-        return
-    with file_lock(os.path.join(tempfile.gettempdir(), f"dflash_mp-tokenize-{raw._fingerprint}.lock")):
-        yield
+        return contextlib.nullcontext()
+    return file_lock(os.path.join(tempfile.gettempdir(), f"dflash_mp-tokenize-{raw._fingerprint}.lock"))
 
 
 def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,

@@ -195,8 +195,9 @@ class RecvChannel:
 
     Transports set `rank`, `peer`, `spec`, `_next` (seq of the next message), `_ended`, `_bad` (a
     device flag when headers are checked on the GPU without a sync, else None) and provide
-    `_take(seq)` (wait until message `seq` is in a slot; return the slot) and `_header(seq, slot)`
-    (the header to read on the host: a host copy where there is one).
+    `_take(seq)` (wait until message `seq` is in a slot; return the slot), `_header(seq, slot)`
+    (the header to read on the host: a host copy where there is one) and `_after_end(seq)` (what
+    the transport does once the end-of-data message `seq` has been checked).
     """
 
     peer: int
@@ -223,7 +224,17 @@ class RecvChannel:
             raise RuntimeError(err)
         return header
 
-    def expect_end(self) -> None: ...
+    def expect_end(self) -> None:
+        """The next message must be the end-of-data marker; then the pair is finished."""
+        seq = self._next
+        slot = self._take(seq)
+        self._next = seq + 1
+        self._check_header(seq, slot, expect_end=True)  # on the host, even where recv() checks on the GPU
+        self._after_end(seq)
+        self._ended = True
+        self.verify()
+
+    def _after_end(self, seq: int) -> None: ...
 
     def verify(self) -> None:
         if self._bad is not None and bool(self._bad):

@@ -214,15 +214,9 @@ class P2PRecvChannel(RecvChannel):
     def _header(self, seq: int, slot: Slot) -> torch.Tensor:
         return slot.header  # on a GPU a sync: recv() checks on the device instead, expect_end() once
 
-    def expect_end(self) -> None:
-        seq = self._next
-        slot = self._take(seq)
-        self._next = seq + 1
-        self._check_header(seq, slot, expect_end=True)
+    def _after_end(self, seq: int) -> None:
         for filler in sorted(self._works):  # the target's fillers complete the receives still posted
             self.wait_s += self._wait(filler)
-        self._ended = True
-        self.verify()
 
     def close(self) -> None:
         self._works.clear()

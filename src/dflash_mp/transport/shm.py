@@ -400,14 +400,8 @@ class ShmRecvChannel(RecvChannel):
         # device copy, a sync, read only by expect_end().
         return slot.header if self.mode == "ipc" else self._remote[seq % self.depth].header
 
-    def expect_end(self) -> None:
-        seq = self._next
-        slot = self._take(seq)
-        self._next = seq + 1
-        self._check_header(seq, slot, expect_end=True)
+    def _after_end(self, seq: int) -> None:
         self._release(seq + 1)  # the producer's drain() waits for this
-        self._ended = True
-        self.verify()
 
     def close(self) -> None:
         if self._closed:
