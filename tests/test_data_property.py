@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_mp.data import (
@@ -125,6 +125,10 @@ def test_rows_never_crash_and_mask_only_assistant_replies(encoder, rows):
 @given(rows=st.lists(row, min_size=1, max_size=8),
        broken=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b"")),
                        max_size=2))
+# Keys that load into Arrow but that datasets cannot address (found by this test once; kept here).
+@example(rows=[{"messages": []}, {"": {"": None, "\x00": None}}], broken=[])
+@example(rows=[{"messages": []}, {"": {"\x00": {}}}], broken=[])
+@example(rows=[{"messages": []}, {"": {}, "\x00": None}], broken=[])
 def test_files_of_junk_stream_valid_batches(encoder, tmp_path_factory, rows, broken):
     tok = encoder.tokenizer
     path = tmp_path_factory.mktemp("junk") / "rows.jsonl"

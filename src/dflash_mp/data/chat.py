@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import datasets
 import jinja2
+import pyarrow as pa
 from datasets.fingerprint import Hasher
 
 from dflash_mp.demo import BUILTIN_DATA, demo_data_path
@@ -89,6 +90,22 @@ def _local_files(path: str) -> tuple[list[str], str]:
     return files, formats.pop()
 
 
+def _unaddressable_fields(fields) -> bool:
+    """True if a schema (or struct type) has, at any depth, a field name `datasets` cannot look up:
+    empty, holding a NUL, or repeated (JSON keys such as "" or "\\u0000" load into Arrow but break
+    column access later, in the middle of tokenizing)."""
+    names = [f.name for f in fields]
+    if len(set(names)) != len(names) or any(not n or "\x00" in n for n in names):
+        return True
+    for f in fields:
+        t = f.type
+        while pa.types.is_list(t) or pa.types.is_large_list(t):
+            t = t.value_type
+        if pa.types.is_struct(t) and _unaddressable_fields(list(t)):
+            return True
+    return False
+
+
 def _read_json_tolerant(files: list[str]) -> datasets.Dataset:
     """One raw document per row, for json files whose rows do not share one Arrow schema."""
     docs: list[bytes] = []
@@ -125,10 +142,13 @@ def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
             files, fmt = _local_files(os.path.expanduser(path))
         try:
             ds = datasets.load_dataset(fmt, data_files={"train": files}, split=cfg.split)
-        except (datasets.exceptions.DatasetGenerationError, ValueError):
+            if fmt == "json" and _unaddressable_fields(ds.data.schema):
+                raise ValueError("field names that datasets cannot address")
+        except (datasets.exceptions.DatasetGenerationError, ValueError, KeyError):
+            # KeyError: datasets' own schema handling fails on some odd keys while loading
             if fmt != "json":
                 raise
-            # Rows with clashing types or broken lines: fall back to judging each row separately.
+            # Rows with clashing types, broken lines or odd keys: judge each row separately.
             log.warning("%s: rows do not parse as one Arrow table; reading them one by one", path)
             ds = _read_json_tolerant(files)
     if cfg.max_rows:
