@@ -5,7 +5,9 @@ sampling, chunked fused CE, loss masks, AdamW, grad clipping).
     python bench/drafter_step.py --preset qwen3_8b --modes eager,default,reduce-overhead
 
 MFU = counted model FLOPs (dflash_mp.flops; the frozen LM head counts forward + input gradient)
-/ step time / 790 TFLOP/s (measured bf16 matmul ceiling of one H200).
+/ step time / 790 TFLOP/s (measured bf16 matmul ceiling of one H200). The step time is that of
+steps run back to back with one sync at the end, as training runs them; `ms_per_step_synced` is
+the median of steps each waited for by the host.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from common import DRAFTERS, kernel_profile, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts
+from flex_tiles import VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
@@ -25,11 +28,31 @@ from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, Tr
 PEAK = 790e12
 
 
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """`default+loss+amp+tiles=bwd64` -> ("default", {"loss": True, "amp": True, "tiles": "bwd64"}).
+
+    Suffixes: `+loss` train.compile_loss=true (compiled CE chunks; without it the CE runs eager);
+    `+amp` train.precision=amp (fp32 weights under autocast; the default is bf16 working weights);
+    `+tiles=NAME` the flex BlockMask size and kernel options of bench/flex_tiles.py's variant NAME;
+    `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step (the
+    default writes each step's gradients into it: FlatAdamW.collect)."""
+    base, *flags = mode.split("+")
+    out: dict = {}
+    for f in flags:
+        key, _, val = f.partition("=")
+        if key not in ("loss", "amp", "tiles", "addgrads") or (key == "tiles") != bool(val):
+            raise ValueError(f"mode suffix {f!r}: use +loss, +amp, +addgrads or +tiles=NAME")
+        out[key] = val or True
+    return base, out
+
+
 def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention: str = "auto") -> DrafterTrainer:
-    """`mode` is a train.compile value, `+loss` appended for train.compile_loss=true (compiled CE chunks)."""
-    mode, _, extra = mode.partition("+")
-    if extra not in ("", "loss"):
-        raise ValueError(f"mode suffix {extra!r}: only +loss (compile the CE chunks) is known")
+    """`mode`: a train.compile value with parse_mode's suffixes."""
+    mode, flags = parse_mode(mode)
+    tiles = {}
+    if "tiles" in flags:
+        size, opts = TILES[flags["tiles"]]
+        tiles = dict(flex_block_size=size, flex_kernel_options=dict(opts or {}))
     torch.manual_seed(0)
     args = DrafterArgs(hidden_size=p["hidden"], intermediate_size=p["inter"], num_layers=p["layers"],
                        num_heads=p["heads"], num_kv_heads=p["kv"], head_dim=p["head_dim"], vocab_size=p["vocab"],
@@ -42,11 +65,11 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
     head = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
-                        max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention)
+                        max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention, **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
-    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=extra == "loss", max_steps=10_000,
-                      warmup_ratio=0.0)
-    return DrafterTrainer(obj, cfg, 10_000, None, device)
+    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss="loss" in flags, max_steps=10_000,
+                      warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto")
+    return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags)
 
 
 def flops_per_step(p: dict, stats: dict, steps: int) -> float:
@@ -69,7 +92,14 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     c0 = counts()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = timed(step, steps, device)
+    synced = timed(step, steps, device)  # one step at a time, the host waiting for each
+    # As training runs: steps back to back, the host queueing ahead, one sync at the end.
+
+    def back_to_back(step=step):
+        for _ in range(steps):
+            step()
+
+    ms = timed(back_to_back, 1, device)[0] / steps
     c1 = counts()
     st = tr.stats.pop()
     # Where a step's time goes: forward+backward vs optimizer (norm + clip/AdamW + zeroing), as the
@@ -81,10 +111,11 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         phases.append(tr.phase_ms())
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
     prof = kernel_profile(step, device) if device.type == "cuda" else None
-    flops = flops_per_step(p, st, steps)
-    med = median(ms)
+    flops = flops_per_step(p, st, 2 * steps)
+    med = ms
     out = {
-        "mode": mode, "ms_per_step": med, "ms_min": min(ms), "samples_per_s": 1000 / med,
+        "mode": mode, "ms_per_step": med, "ms_per_step_synced": median(synced), "ms_min_synced": min(synced),
+        "samples_per_s": 1000 / med,
         "ctx_tokens_per_s": p["seq_len"] * 1000 / med, "tflop_per_step": flops / 1e12,
         "mfu": flops / (med / 1000) / PEAK, "warmup_ms": warm,
         "recompiles_after_warmup": c1["graphs"] - c0["graphs"],
@@ -92,9 +123,10 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "fwd_bwd_ms": median(fb), "optimizer_ms": median(op),
+        "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9,
         "profile": prof,
     }
-    del step, tr
+    del step, back_to_back, tr
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -131,8 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
-                    help="train.compile values; +loss compiles the CE chunks too (default+loss), without it the "
-                         "CE runs eager")
+                    help="train.compile values with suffixes: +loss (compiled CE chunks), +amp (fp32 weights "
+                         "under autocast), +tiles=NAME (flex tiles of flex_tiles.py)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")
@@ -180,14 +212,15 @@ def main() -> None:
                 "max_rel_diff": bmx, "mean_rel_diff": bmean, "dense_first_last": [base[0], base[-1]]}
         write_json(results, f"drafter_{a.preset}_{a.scope}.json")
     print(f"\n{a.preset} on {results['device']} (torch {torch.__version__})")
-    print(f"{'mode':18} {'ms/step':>9} {'samples/s':>10} {'MFU':>6} {'recomp':>7} {'cg-rec':>7} {'peakGiB':>8} {'fb ms':>7} {'opt ms':>7}")
+    print(f"{'mode':26} {'ms/step':>9} {'sync ms':>8} {'samples/s':>10} {'MFU':>6} {'recomp':>7} {'cg-rec':>7} "
+          f"{'peakGiB':>8} {'fb ms':>7} {'opt ms':>7} {'opt TB/s':>8}")
     for r in results["modes"]:
         if "error" in r:
-            print(f"{r['mode']:18} ERROR {r['error'][:100]}")
+            print(f"{r['mode']:26} ERROR {r['error'][:100]}")
             continue
-        print(f"{r['mode']:18} {r['ms_per_step']:9.2f} {r['samples_per_s']:10.2f} {r['mfu']:6.3f} "
-              f"{r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} {r['peak_mem_gib']:8.1f} "
-              f"{r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f}")
+        print(f"{r['mode']:26} {r['ms_per_step']:9.2f} {r['ms_per_step_synced']:8.2f} {r['samples_per_s']:10.2f} "
+              f"{r['mfu']:6.3f} {r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} "
+              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['optimizer_tb_per_s']:8.2f}")
     if "loss_match" in results:
         print("loss match:", results["loss_match"])
     for r in results["modes"]:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The single-GPU figures of BENCHMARKS.md (from the repo root on the GPU host):
-#   bash bench/run_h200.sh [PART...]   # PART: warm tests drafter target small pipeline (default: all)
+#   bash bench/run_h200.sh [PART...]   # PART: warm tests drafter tiles target small pipeline (default: all)
 # JSON + logs go to $OUT (the lent machine) or bench/results.
 #   warm      compile every graph the timed parts need, in the background, while `tests` runs:
 #             compiling is CPU work, and nothing is timed before it is done
 #   tests     the CUDA-only tests (compiled steps match eager, no hidden GPU sync, shm over CUDA IPC)
 #   drafter   Qwen3-8B drafter step: eager / compiled variants in one run + 50-step loss match (issue 4.1)
+#   tiles     flex_attention tile sizes on the 8B drafter's block mask (bench/flex_tiles.py)
 #   target    Qwen3-8B target forward variants with kernel profiles (issue 4.3)
 #   small     ~0.6B drafter, launch-bound: eager vs default vs reduce-overhead (issue 4.2)
 #   pipeline  1+1 ranks sharing the GPU at Qwen3-8B shapes (issue 5)
@@ -16,8 +17,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-$PWD/bench/results}"
 PIPE=${PIPE:-/tmp/dflash_pipe}
 LOG="$OUT/run_h200.log"
-PARTS=${*:-warm tests drafter target small pipeline}
+PARTS=${*:-warm tests drafter tiles target small pipeline}
 DRAFTER_MODES=${DRAFTER_MODES:-eager,default,default+loss,reduce-overhead+loss}
+WARM_MODES=${WARM_MODES:-default+loss}  # the 8B modes compiled during `warm`
+LOSS_STEPS=${LOSS_STEPS:-50}
 SMALL_MODES=${SMALL_MODES:-eager,default,default+loss,reduce-overhead,reduce-overhead+loss}
 export OUT
 mkdir -p "$PIPE"
@@ -31,19 +34,19 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log, say how it ended
     echo "== $name rc $? in $((SECONDS - t)) s (at $((SECONDS - t0)) s)" | tee -a "$LOG"
 }
 warm_jobs=()
-if has warm; then  # throw-away runs whose only product is the Inductor cache
+if has warm; then  # throw-away runs whose only product is the Inductor cache (for the parts asked for)
     W=$(mktemp -d)
-    (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout 330 python3 drafter_step.py --preset qwen3_8b \
-        --modes default+loss --scope layers --steps 1 --warmup 2 > "$W/w8b.log" 2>&1) & warm_jobs+=($!)
-    (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout 330 python3 drafter_step.py --preset qwen3_0p6b \
-        --modes default+loss --scope layers --steps 1 --warmup 2 > "$W/w06.log" 2>&1) & warm_jobs+=($!)
-    (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=4 timeout 330 python3 target_forward.py \
-        --variants trunc-flex-compiled,trunc-flex-compiled-ingraph --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!)
+    has drafter && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout "${T_WARM:-330}" python3 drafter_step.py \
+        --preset qwen3_8b --modes "$WARM_MODES" --scope layers --steps 1 --warmup 2 > "$W/w8b.log" 2>&1) & warm_jobs+=($!); }
+    has small && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout "${T_WARM:-330}" python3 drafter_step.py \
+        --preset qwen3_0p6b --modes default+loss --scope layers --steps 1 --warmup 2 > "$W/w06.log" 2>&1) & warm_jobs+=($!); }
+    has target && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=4 timeout "${T_WARM:-330}" python3 target_forward.py \
+        --variants trunc-flex-compiled,trunc-flex-compiled-ingraph --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
 fi
 if has tests; then
-    step gpu_tests 330 env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/test_trainer_compile.py tests/test_transport_shm.py::test_cuda_stream \
-        tests/test_drafter.py::test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles
+    step gpu_tests "${T_TESTS:-330}" env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs -p no:cacheprovider \
+        ${GPU_TESTS:-tests/test_trainer_compile.py tests/test_optim.py tests/test_transport_shm.py::test_cuda_stream \
+        tests/test_drafter.py::test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles}
 fi
 for j in "${warm_jobs[@]}"; do wait "$j"; done
 if has warm; then
@@ -55,7 +58,9 @@ if has warm; then
 fi
 cd bench
 has drafter && step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --modes "$DRAFTER_MODES" \
-    --scope layers --loss-steps 50 --loss-mode default+loss --steps 10 --warmup 3
+    --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+loss}" --steps 10 --warmup 3
+has tiles && step flex_tiles "${T_TILES:-300}" python3 flex_tiles.py ${TILES:+--variants "$TILES"} \
+    --budget-s $(( ${T_TILES:-300} - 60 ))
 TARGET_VARIANTS=${TARGET_VARIANTS:-full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled,trunc-flex-compiled-ingraph}
 has target && step target_8b "${T_TARGET:-200}" python3 target_forward.py --steps 10 --variants "$TARGET_VARIANTS"
 has small && step drafter_0p6b "${T_SMALL:-110}" python3 drafter_step.py --preset qwen3_0p6b --modes "$SMALL_MODES" \
@@ -74,5 +79,5 @@ if has pipeline; then
     (cd bench && python3 pipeline.py --target-json "$PIPE/target_qwen3_8b.json" \
         --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run") 2>&1 | tee -a "$LOG"
 fi
-grep -E "^(qwen3_|target forward)" -A9 "$LOG" | grep -v "^--" | cut -c1-160
+grep -E "^(qwen3_|target forward|flex_attention, one)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
 grep -E "GPU ms.* by kernel class|loss match|passed|failed" "$LOG" | cut -c1-300

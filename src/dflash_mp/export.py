@@ -125,8 +125,11 @@ def export_drafter(
     out_dir: str | os.PathLike,
     target_config: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
+
+    `state`: the weights to write (the trainer's fp32 master weights), else `drafter.state_dict()`.
 
     An existing `out_dir` is replaced as a whole. Returns the final path.
     """
@@ -135,7 +138,7 @@ def export_drafter(
     config = drafter_config(args, dtype, target_config)
     # Unwrapped tensors only: `.contiguous().clone()` also breaks any storage sharing, which
     # safetensors refuses to serialise.
-    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in drafter.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in (state or drafter.state_dict()).items()}
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -61,7 +61,7 @@ def reference_run(job: JobConfig, world_size: int) -> dict:
             rng[d] = torch.get_rng_state()
         trainer.optimizer_step()
         losses.append(sum(step_losses) / num_drafters)
-    return {"losses": losses, "state": {k: v.clone() for k, v in drafter.state_dict().items()},
+    return {"losses": losses, "state": {k: v.clone() for k, v in trainer.master_state_dict().items()},
             "num_steps": num_steps}
 
 

@@ -249,7 +249,8 @@ def run_drafter(ctx: RunContext) -> None:
             return
         if lead:
             out = os.path.join(job.run_dir, "export")
-            export_drafter(trainer.objective.drafter, args, out, ctx.target_config)
+            export_drafter(trainer.objective.drafter, args, out, ctx.target_config,
+                           state=trainer.master_state_dict())
             log.info("exported drafter to %s", out)
 
 

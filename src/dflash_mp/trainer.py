@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,6 +28,8 @@ from .model import (
     sample_anchors,
     slot_weights,
 )
+from .model.attention import FLEX_KERNEL_OPTIONS
+from .optim import FlatAdamW
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class DrafterConfig:
     gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8
     loss_chunk_size: int = 2048  # rows of logits computed at once (never the full A*B x vocab)
     attention: str = "auto"  # auto (flex on CUDA, dense sdpa on CPU) | flex | dense
+    flex_block_size: tuple[int, int] = (128, 128)  # flex BlockMask tile (query rows, key rows)
+    flex_kernel_options: dict = field(default_factory=lambda: dict(FLEX_KERNEL_OPTIONS))  # flex_attention
+    #   kernel options (tiles: fwd_BLOCK_M, bwd_BLOCK_M1, ...; they must divide flex_block_size); the
+    #   default is tuned for 16-query blocks on the H200, {} = Inductor's own choice
 
 
 @dataclass
@@ -67,7 +72,8 @@ class TrainConfig:
     #   graph: kernels compile once, in minutes, not per layer) | step: the whole objective is one graph
     compile_loss: bool = True  # compiled modes, layers scope: also compile each chunk of the fused CE
     #   (the 8B step: 157 -> 142 ms, BENCHMARKS.md); eager mode ignores it
-    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16: bf16 working weights, fp32 master
+    #   weights and moments | amp: fp32 weights under bf16 autocast (casts every weight every step) | fp32
     # After SIGTERM: the job stops within 2*logging.log_every steps with a checkpoint; a rank still
     # running this long after the signal exits non-zero (Slurm's KillWait and torchrun's shutdown
     # wait are 30 s: keep it below both, or raise them).
@@ -122,7 +128,9 @@ class DFlashObjective(nn.Module):
         labels, label_mask = block_labels(input_ids, loss_mask, doc_ids, anchors, valid, b)
         block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, b, self.args.mask_token_id)
         block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
-        attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention)
+        attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention,
+                                            flex_block_size=tuple(self.cfg.flex_block_size),
+                                            kernel_options=self.cfg.flex_kernel_options)
         out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
         loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size,
                                     compiled=self.compile_loss)
@@ -149,6 +157,14 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision not in ("bf16", "amp", "fp32"):
+        raise ValueError(f"train.precision={precision!r}: use auto, bf16, amp or fp32.")
+    return precision
+
+
 def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: bool = False):
     if mode == "eager":
         return objective
@@ -162,52 +178,26 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: b
     raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")
 
 
-class GradBuffer:
-    """Every trainable parameter's `.grad` is a view into one flat buffer, allocated once.
-
-    Backward accumulates into memory the trainer owns: with CUDA graphs a `.grad` stolen from a
-    graph's output pool would be overwritten by the next replay. Data-parallel averaging is one
-    collective over the whole buffer (not one per tensor, no packing copies), outside any compiled
-    region, so CUDA graphs never contain communication.
-    """
-
-    def __init__(self, params: list[nn.Parameter], group):
-        self.params = params
-        self.group = group
-        self.size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offs = 0
-        for p in params:
-            p.grad = self.flat[offs: offs + p.numel()].view_as(p)
-            offs += p.numel()
-
-    def allreduce(self) -> None:
-        if self.size > 1:
-            dist.all_reduce(self.flat, group=self.group)
-            self.flat.div_(self.size)
-
-    def zero(self) -> None:
-        self.flat.zero_()
-
-
 class DrafterTrainer:
     def __init__(self, objective: DFlashObjective, cfg: TrainConfig, num_steps: int, group,
-                 device: torch.device):
+                 device: torch.device, write_grads: bool = True):
         self.objective = objective
         self.cfg = cfg
         self.num_steps = num_steps
         self.device = device
         self.step = 0
-        self.params = [p for p in objective.drafter.parameters() if p.requires_grad]
-        # Fused AdamW (CUDA and CPU): one kernel over all tensors, and it applies the clip factor
-        # and the skip of non-finite steps itself (optimizer_step).
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                     weight_decay=cfg.weight_decay, fused=True)
-        self.grads = GradBuffer(self.params, group)
+        named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.mode = resolve_compile_mode(cfg.compile, device)
+        self.precision = resolve_precision(cfg.precision, device)
+        self.autocast = self.precision != "fp32"
+        # Rebinds the parameters to its flat buffers, so it comes before compiling.
+        self.opt = FlatAdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                             dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32, group=group,
+                             compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
+                             write_grads=write_grads)  # False: the older add-into-.grad scheme (bench)
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
-        prec = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-        self.autocast = prec == "bf16"
         b = objective.args.block_size
         self.stats = _Stats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step
@@ -222,7 +212,7 @@ class DrafterTrainer:
         self.forward_backward(hb)
         if marks:
             marks.add("fwd_bwd")
-        self.grads.allreduce()
+        self.opt.allreduce()
         if marks:
             marks.add("allreduce")
         self.optimizer_step()
@@ -239,10 +229,8 @@ class DrafterTrainer:
         return marks.read() if marks else {}
 
     def set_lr(self) -> float:
-        lr = lr_at(self.step, self.num_steps, self.cfg)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        return lr
+        self.opt.lr = lr_at(self.step, self.num_steps, self.cfg)
+        return self.opt.lr
 
     def forward_backward(self, hb: HiddenBatch, grad_scale: float = 1.0) -> torch.Tensor:
         # Anchor randomness is drawn eagerly (one tiny kernel), so every compile mode and the
@@ -254,35 +242,33 @@ class DrafterTrainer:
             loss, correct, label_mask, ctx_keys = self.fwd(
                 hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, noise)
         (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+        self.opt.collect()
         self.stats.add(loss.detach(), correct, label_mask, ctx_keys, hb.num_valid_tokens)
         return loss.detach()
 
     def optimizer_step(self) -> None:
-        """Clip + AdamW + zero the gradients, with no host sync and no extra pass over the gradients.
+        """Clip + AdamW + zero the gradients (`FlatAdamW.step_`), with no host sync.
 
-        The global norm is one reduction over the flat gradient buffer. Clipping is folded into the
-        fused AdamW kernel, which divides every gradient by `grad_scale` as it reads it (the same
-        factor `clip_grad_norm_` multiplies by, inverted), and a non-finite norm sets `found_inf`:
-        the kernel then leaves weights, moments and step counts untouched, so one bad batch costs a
+        The global norm is one reduction over the flat gradient; the clip factor and the
+        data-parallel mean divide the gradient inside the update pass, and a non-finite norm skips
+        the update there (weights, moments and step count untouched), so one bad batch costs a
         skipped step, not NaN weights. Skips are counted (`drafter/skipped_steps`).
         """
-        gnorm = self.grads.flat.norm()
-        found_inf = (~torch.isfinite(gnorm)).float()
-        clip = self.cfg.grad_clip
-        self.opt.grad_scale = (gnorm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
-        self.opt.found_inf = found_inf
-        self.opt.step()
-        self.stats.add_gnorm(gnorm.detach(), found_inf)
-        self.grads.zero()
+        gnorm, skipped = self.opt.step_(self.opt.lr, self.cfg.grad_clip)
+        self.stats.add_gnorm(gnorm, skipped)
         self.step += 1
 
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The drafter's weights at full precision (fp32 master), named as `drafter.state_dict()`."""
+        state = self.objective.drafter.state_dict()
+        state.update(self.opt.named_master(self.param_names))
+        return state
+
     def state_dict(self) -> dict:
-        return {"drafter": self.objective.drafter.state_dict(), "optimizer": self.opt.state_dict(),
-                "step": self.step}
+        return {"drafter": self.master_state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.objective.drafter.load_state_dict(state["drafter"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.opt.load_state_dict(state["drafter"], self.param_names, state["optimizer"])
         self.step = state["step"]
 
 

@@ -30,6 +30,13 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 BACKENDS = ("auto", "dense", "flex")
 
+# flex_attention backward tiles for DFlash block masks (blocks of 16 queries, head_dim 128), measured
+# on the H200 (bench/flex_tiles.py, BENCHMARKS.md): dK/dV walk 32-row query tiles per 64-row key tile,
+# dQ 32-row key tiles per 64-row query tile; 2.4 ms per 8B drafter layer against 3.0 with Inductor's
+# defaults (64/128/128/64, 8 warps). The forward keeps Inductor's tiles.
+FLEX_KERNEL_OPTIONS = {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                       "bwd_num_warps": 4, "bwd_num_stages": 3}
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -108,6 +115,7 @@ class BlockAttention:
     backend: str  # "dense" or "flex" (resolved, never "auto")
     full: torch.Tensor | BlockMask | None  # mask for full-attention layers, None if there are none
     sliding: torch.Tensor | BlockMask | None  # mask for sliding-window layers, None if none
+    kernel_options: dict | None = None  # flex_attention's Inductor kernel options (tile sizes, ...)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool) -> torch.Tensor:
         """q `[1, Hq, Q, D]`, k/v `[1, Hkv, KV, D]` -> `[1, Hq, Q, D]`."""
@@ -118,7 +126,7 @@ class BlockAttention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # The eager flex path is a slow math fallback; compiled is the only sensible CUDA path.
         fn = _compiled_fn("flex_attention", flex_attention) if q.is_cuda else flex_attention
-        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return fn(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
 
 
 def build_block_attention(
@@ -130,9 +138,13 @@ def build_block_attention(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     backend: str = "auto",
-    flex_block_size: int = 128,
+    flex_block_size: int | tuple[int, int] = 128,
+    kernel_options: dict | None = None,
 ) -> BlockAttention:
-    """Build the masks a step needs: one per layer kind present in `layer_types`."""
+    """Build the masks a step needs: one per layer kind present in `layer_types`.
+
+    `flex_block_size` (one int, or (query, key) rows) is the BlockMask's tile; the flex kernel's
+    tiles (`kernel_options`, e.g. `bwd_BLOCK_M1`) must divide it."""
     device = doc_ids.device
     backend = resolve_backend(backend, device)
     kinds = set(layer_types) if layer_types else {FULL_ATTENTION}
@@ -147,10 +159,12 @@ def build_block_attention(
         make = create_block_mask
         if device.type == "cuda":
             make = _compiled_fn("create_block_mask", create_block_mask)
-        return make(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=flex_block_size)
+        size = flex_block_size if isinstance(flex_block_size, int) else tuple(flex_block_size)
+        return make(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=size)
 
     if SLIDING_ATTENTION in kinds and sliding_window is None:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")
     full = build(None) if FULL_ATTENTION in kinds else None
     sliding = build(sliding_window) if SLIDING_ATTENTION in kinds else None
-    return BlockAttention(backend=backend, full=full, sliding=sliding)
+    return BlockAttention(backend=backend, full=full, sliding=sliding,
+                          kernel_options=dict(kernel_options) if kernel_options else None)

@@ -270,7 +270,8 @@ class DFlashDrafter(nn.Module):
         anchor_valid: torch.Tensor,
         doc_ids: torch.Tensor,
         backend: str = "auto",
-        flex_block_size: int = 128,
+        flex_block_size: int | tuple[int, int] = 128,
+        kernel_options: dict | None = None,
     ) -> BlockAttention:
         """The per-step masks for this drafter's layer kinds (one per kind, shared by all layers)."""
         return build_block_attention(
@@ -282,6 +283,7 @@ class DFlashDrafter(nn.Module):
             sliding_window=self.args.sliding_window,
             backend=backend,
             flex_block_size=flex_block_size,
+            kernel_options=kernel_options,
         )
 
     def forward(

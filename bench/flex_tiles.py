@@ -1,0 +1,132 @@
+"""flex_attention on the drafter's block mask at Qwen3-8B DFlash shapes: forward + backward time per
+tile configuration (BlockMask block size and Inductor kernel options), one process, one mask.
+
+    python bench/flex_tiles.py [--variants default,bwd64,mask64,...]
+
+One drafter layer's attention: q [1, 32, A*B, 128], k/v [1, 8, T + A*B, 128], bf16, the anchors
+of a synthetic packed row. Times are per layer (the 8B drafter has five). Each variant's output
+and gradients are compared with the first variant's (they compute the same thing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from common import DRAFTERS, median, synthetic_batch, timed, write_json
+from dflash_mp.model.anchors import sample_anchors
+from dflash_mp.model.attention import make_mask_mod
+
+# name -> (BlockMask block size (q, kv), kernel_options). Kernel tiles must divide the mask blocks.
+BWD64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}
+
+
+def bwd(m1: int, n1: int, m2: int, n2: int, warps: int = 4, stages: int = 3) -> dict:
+    """Backward tiles: dK/dV walk query tiles of m1 rows per key tile of n1; dQ walks key tiles of n2
+    per query tile of m2."""
+    return {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2,
+            "bwd_num_warps": warps, "bwd_num_stages": stages}
+
+
+VARIANTS = {
+    "inductor": ((128, 128), {}),  # Inductor's own tiles
+    "rows-safe": ((128, 128), {"ROWS_GUARANTEED_SAFE": True}),
+    "fwd128": ((128, 128), {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2}),
+    "bwd64": ((128, 128), bwd(64, 64, 64, 64)),
+    "bwd64w8": ((128, 128), bwd(64, 64, 64, 64, warps=8)),
+    "bwd32": ((128, 128), bwd(32, 64, 64, 32)),  # dflash_mp's default (FLEX_KERNEL_OPTIONS)
+    "bwd32s4": ((128, 128), bwd(32, 64, 64, 32, stages=4)),
+    "bwd32s2": ((128, 128), bwd(32, 64, 64, 32, stages=2)),
+    "bwd32w8": ((128, 128), bwd(32, 64, 64, 32, warps=8)),
+    "bwd32n128": ((128, 128), bwd(32, 128, 128, 32)),
+    "bwd32m128": ((128, 128), bwd(32, 64, 128, 32)),
+    "bwd32x32": ((128, 128), bwd(32, 32, 32, 32)),
+    "bwd16": ((128, 128), bwd(16, 64, 64, 16)),
+    "mask128x64": ((128, 64), dict(BWD64, fwd_BLOCK_M=128, fwd_BLOCK_N=64)),
+    "mask64": ((64, 64), dict(BWD64, fwd_BLOCK_M=64, fwd_BLOCK_N=64)),
+    "autotune": ((128, 128), None),  # None: compiled with max-autotune (Inductor picks the tiles)
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="inductor,bwd64,bwd32,bwd32s4,bwd32s2,bwd32w8,bwd32n128,bwd32m128,bwd32x32,bwd16")
+    ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=400, help="skip the remaining variants after this long")
+    a = ap.parse_args()
+    p = DRAFTERS[a.preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    T, A, B, D = p["seq_len"], p["anchors"], p["block"], p["head_dim"]
+    hb = synthetic_batch(T, 8, p["vocab"], device, torch.float32, seed=0)
+    torch.manual_seed(0)
+    anchors, valid = sample_anchors(hb.loss_mask, hb.doc_ids, A, A, noise=torch.rand(2, T, device=device))
+    mask_mod = make_mask_mod(anchors, valid, hb.doc_ids, T, B, None)
+    q_len, kv_len = A * B, T + A * B
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device).manual_seed(1)
+    q = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
+    k = torch.randn(1, p["kv"], kv_len, D, device=device, dtype=dt, generator=g)
+    v = torch.randn(1, p["kv"], kv_len, D, device=device, dtype=dt, generator=g)
+    dout = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
+    masks, out, ref, t0 = {}, [], None, time.time()
+    for name in a.variants.split(","):
+        if time.time() - t0 > a.budget_s:
+            out.append({"variant": name, "error": "skipped: over --budget-s"})
+            continue
+        size, opts = VARIANTS[name]
+        try:
+            if size not in masks:
+                masks[size] = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=size)
+            bm = masks[size]
+            mode = "max-autotune-no-cudagraphs" if opts is None else None
+            fn = torch.compile(lambda q, k, v, bm=bm, o=opts or {}: flex_attention(
+                q, k, v, block_mask=bm, enable_gqa=True, kernel_options=o), dynamic=False, mode=mode)
+            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            tc = time.time()
+
+            def fwd():
+                return fn(qq, kk, vv)
+
+            def fwd_bwd():
+                fn(qq, kk, vv).backward(dout)
+                qq.grad = kk.grad = vv.grad = None
+
+            fwd_bwd()
+            compile_s = time.time() - tc
+            f_ms = median(timed(fwd, a.steps, device))
+            fb_ms = median(timed(fwd_bwd, a.steps, device))
+            o = fwd()
+            o.backward(dout)
+            res = [o.detach(), qq.grad, kk.grad, vv.grad]
+            diff = None
+            if ref is None:
+                ref = res
+            else:
+                diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
+            full = bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
+            r = {"variant": name, "block_size": list(size), "kernel_options": opts, "fwd_ms": f_ms,
+                 "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms, "compile_s": round(compile_s, 1),
+                 "tiles": int(bm.kv_num_blocks.sum() + full), "max_rel_diff_vs_first": diff}
+        except Exception as e:  # one variant failing must not lose the others
+            r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
+        print(r, flush=True)
+        out.append(r)
+        write_json({"preset": a.preset, "torch": torch.__version__, "variants": out}, f"flex_tiles_{a.preset}.json")
+    print(f"\nflex_attention, one drafter layer, {a.preset} (x{p['layers']} layers per step)")
+    print(f"{'variant':12} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'tiles':>6} {'compile s':>9} {'rel diff':>9}")
+    for r in out:
+        if "error" in r:
+            print(f"{r['variant']:12} {r['error'][:100]}")
+            continue
+        d = r["max_rel_diff_vs_first"]
+        print(f"{r['variant']:12} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['tiles']:6d} "
+              f"{r['compile_s']:9.1f} {'-' if d is None else f'{d:.1e}':>9}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""AdamW over flat buffers, with fp32 master weights and working weights in the compute dtype.
+
+Everything the optimizer touches lives in one flat buffer per kind, allocated once:
+
+- `master` (fp32): the weights AdamW updates, and what checkpoints hold;
+- `work` (compute dtype): the weights the model computes with. Every trainable parameter's data is
+  a view into it, so the forward reads bf16 weights as they are (no per-step fp32 -> bf16 cast)
+  and the backward produces bf16 gradients (no cast back). In fp32, `work` is `master`;
+- `grad` (compute dtype): the gradient. Autograd leaves each parameter's gradient in `.grad`
+  (a fresh tensor: `.grad` is None when backward starts, so nothing is added into old memory);
+  `collect()` then writes them into the buffer on the first backward after a step and adds them on
+  later ones (gradient accumulation). Writing instead of adding saves a read and a zeroing pass
+  over the buffer per step; the `.grad` tensors are dropped at once (with CUDA graphs they may live
+  in a graph's output pool, which the next replay overwrites). The data-parallel average is one
+  collective over the buffer, outside any compiled region;
+- `exp_avg`, `exp_avg_sq` (fp32): the moments.
+
+One step is one reduction (the global gradient norm) and one elementwise pass that reads the
+gradient, master weights and moments and writes master, moments and the working copy: the
+clip factor, the data-parallel mean and the skip of non-finite steps are folded into it. Compiled,
+it is a single kernel at memory speed; the same function runs eagerly on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def adamw_update(master, grad, exp_avg, exp_avg_sq, work, step, lr, divisor, skip, *,
+                 beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW step in place over flat buffers; `torch.optim.AdamW`'s arithmetic.
+
+    The gradient used is `grad / divisor`. `step` counts applied updates; `lr`, `divisor` and
+    `skip` are 0-d tensors (no recompile when they change). `skip == 1` leaves every buffer as
+    it was, so a non-finite gradient costs one step, not NaN weights.
+    """
+    keep = skip > 0
+    new_step = step + (1 - skip)
+    g = grad.float() / divisor
+    m = torch.lerp(exp_avg, g, 1 - beta1)
+    v = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    step_size = lr / (1 - beta1**new_step)
+    denom = v.sqrt() / torch.sqrt(1 - beta2**new_step) + eps
+    p = master * (1 - lr * weight_decay) - step_size * m / denom
+    p = torch.where(keep, master, p)
+    exp_avg.copy_(torch.where(keep, exp_avg, m))
+    exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, v))
+    master.copy_(p)
+    if work is not master:
+        work.copy_(p)
+    step.copy_(new_step)
+
+
+class FlatAdamW:
+    """AdamW with clipping for `params`, which it rebinds: their data become views of its flat
+    buffers (see the module docstring). Build it before compiling the model; call `collect()`
+    after every backward.
+
+    `write_grads=False` keeps the older scheme for comparison: each `.grad` is a view of the
+    buffer, autograd adds into it and the buffer is zeroed after each step."""
+
+    def __init__(self, params: list[nn.Parameter], *, lr: float, betas: tuple[float, float], weight_decay: float,
+                 eps: float = 1e-8, dtype: torch.dtype = torch.float32, group=None, compiled: bool = False,
+                 write_grads: bool = True):
+        if not params:
+            raise ValueError("FlatAdamW got no parameters; is every drafter weight frozen?")
+        self.params = params
+        self.lr = lr
+        self.hyper = dict(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
+                          weight_decay=float(weight_decay))
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        device = params[0].device
+        n = sum(p.numel() for p in params)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.master = torch.empty(n, **f32)
+        for view, p in zip(self._views(self.master), params):
+            view.copy_(p.detach())
+        self.work = self.master if dtype == torch.float32 else self.master.to(dtype)
+        self.grad = torch.zeros(n, dtype=dtype, device=device)
+        self.write_grads = write_grads
+        self.grad_views = self._views(self.grad)  # each parameter's gradient, shaped like it
+        self._fresh = True  # no backward since the last step: the next collect() writes
+        for p, w, g in zip(params, self._views(self.work), self.grad_views):
+            p.data = w
+            p.grad = None if write_grads else g
+        self.exp_avg = torch.zeros(n, **f32)
+        self.exp_avg_sq = torch.zeros(n, **f32)
+        self.step = torch.zeros((), **f32)  # applied updates (skipped steps do not count)
+        self._lr = torch.zeros((), **f32)
+        # The data-parallel sum of bf16 gradients is taken in fp32: NCCL adds in the buffer's dtype.
+        low = dtype != torch.float32 and self.world > 1
+        self._reduce = torch.empty(n, **f32) if low else None
+        self._update = torch.compile(adamw_update, dynamic=False, fullgraph=True) if compiled else adamw_update
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, offs = [], 0
+        for p in self.params:
+            out.append(flat[offs: offs + p.numel()].view_as(p))
+            offs += p.numel()
+        return out
+
+    def collect(self) -> None:
+        """Move the gradients backward left in `.grad` into the flat buffer (no host sync)."""
+        if not self.write_grads:
+            return
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        pairs = [(v, g) for v, g in zip(self.grad_views, grads) if g is not None]
+        if pairs:
+            views, got = zip(*pairs)
+            (torch._foreach_copy_ if self._fresh else torch._foreach_add_)(list(views), list(got))
+        if self._fresh:
+            for v, g in zip(self.grad_views, grads):
+                if g is None:  # a weight this backward did not reach: its gradient is zero
+                    v.zero_()
+        self._fresh = False
+
+    def allreduce(self) -> None:
+        """Sum the gradient over the group; the division by its size happens inside the update."""
+        if self.world == 1:
+            return
+        if self._reduce is not None:
+            self._reduce.copy_(self.grad)
+        dist.all_reduce(self._grad(), group=self.group)
+
+    def _grad(self) -> torch.Tensor:
+        return self._reduce if self._reduce is not None else self.grad
+
+    def step_(self, lr: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip to global norm `clip` (0: no clipping), update, zero the gradient. Returns the
+        pre-clip norm of the group-mean gradient and 1.0 if the step was skipped, as 0-d tensors.
+        No host sync."""
+        grad = self._grad()
+        gnorm = torch.linalg.vector_norm(grad, dtype=torch.float32) / self.world
+        skip = (~torch.isfinite(gnorm)).float()
+        # Clipping multiplies by clip / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does.
+        divisor = (gnorm + 1e-6).div(clip).clamp(min=1.0) * self.world if clip > 0 else gnorm.new_full((), self.world)
+        self._lr.fill_(lr)
+        self._update(self.master, grad, self.exp_avg, self.exp_avg_sq, self.work, self.step, self._lr, divisor,
+                     skip, **self.hyper)
+        if self.write_grads:
+            self._fresh = True  # the next backward's gradients overwrite this one's
+        else:
+            self.grad.zero_()
+        return gnorm, skip
+
+    def named_master(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The fp32 master weights, one view per parameter, under `names` (the parameters' order)."""
+        return dict(zip(names, self._views(self.master)))
+
+    def state_dict(self) -> dict:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
+
+    def load_state_dict(self, master: dict[str, torch.Tensor], names: list[str], state: dict) -> None:
+        """Master weights by name plus `state_dict()`'s moments; the working copy follows."""
+        missing = [k for k in names if k not in master]
+        if missing or "exp_avg" not in state:
+            raise ValueError(f"checkpoint lacks {missing[:3] or ['optimizer moments']}: it was written by another "
+                             "version of the trainer or for another drafter; start fresh (checkpoint.resume='') "
+                             "or resume with the version that wrote it")
+        with torch.no_grad():
+            for view, name in zip(self._views(self.master), names):
+                if master[name].shape != view.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(master[name].shape)}, the "
+                                     f"drafter {tuple(view.shape)}: the drafter config differs from the run's")
+                view.copy_(master[name])
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                getattr(self, k).copy_(state[k])
+            if self.work is not self.master:
+                self.work.copy_(self.master)
+
+    @property
+    def num_bytes_per_step(self) -> float:
+        """Bytes one update moves (reads + writes), for bandwidth figures."""
+        work = self.work.element_size() if self.work is not self.master else 0
+        return self.master.numel() * (4 * 3 * 2 + self._grad().element_size() + work)
+
