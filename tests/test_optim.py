@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_ranks
 
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import adamw_update
@@ -190,3 +191,27 @@ def test_state_dict_round_trip_resumes_the_same_run(precision):
     assert torch.equal(a.opt.master, b.opt.master)
     with pytest.raises(ValueError, match="checkpoint lacks"):
         b.load_state_dict({"drafter": {}, "optimizer": {}, "step": 0})
+
+
+def _rank_bf16_step(rank, world_size):
+    """One data-parallel step in bf16: each rank its own batch, gradients summed in fp32."""
+    tr = _trainer(1.0, "bf16")  # the process group exists: the optimizer averages over it
+    assert tr.opt.world == world_size
+    tr.set_lr()
+    tr.forward_backward(_batch(rank))
+    own = tr.opt.grad.clone()
+    tr.opt.allreduce()
+    summed = tr.opt._grad().clone()
+    tr.optimizer_step()
+    return own, summed, tr.opt.master.clone(), float(tr.stats.pop()["gnorm_sum"])
+
+
+def test_bf16_gradients_are_averaged_in_fp32_across_ranks():
+    (g0, s0, m0, n0), (g1, s1, m1, n1) = run_ranks(_rank_bf16_step, 2, timeout=120)
+    assert g0.dtype == torch.bfloat16 and s0.dtype == torch.float32
+    assert not torch.equal(g0, g1)  # different batches
+    expected = g0.float() + g1.float()  # exact in fp32
+    assert torch.equal(s0, expected) and torch.equal(s1, expected)
+    assert torch.equal(m0, m1)  # every replica took the same step
+    mean_norm = float(torch.linalg.vector_norm(expected / 2))
+    assert abs(n0 - mean_norm) <= 1e-5 * mean_norm and n0 == n1

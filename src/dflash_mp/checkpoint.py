@@ -4,6 +4,8 @@ Layout: `<root>/step_00000042/{manifest.json, drafter.pt, rng_rank{r}.pt}`. Ever
 into `<root>/.tmp_step_00000042` first; the manifest goes last and the directory is renamed only
 when complete, so a kill mid-write leaves the previous checkpoint the newest loadable one.
 Target ranks need no state of their own: their data cursor is a function of the drafter step.
+`drafter.pt` holds `{"drafter": fp32 master weights by parameter name, "optimizer": the flat AdamW
+moments and step count, "step": int}` (`DrafterTrainer.state_dict`).
 """
 
 from __future__ import annotations

@@ -38,20 +38,15 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad:
     # lets tests compare against a plain reference exactly).
     logits = F.linear(h, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    # max, then the sum of exp(x - max): the shape Inductor turns into one online-softmax pass over
-    # the row on GPU (torch.logsumexp's guard against infinite maxima hides it), so the logits are
-    # read twice per row (statistics, gradient), not three times.
-    xmax = logits.amax(dim=-1, keepdim=True)
-    shifted = logits - xmax
-    exps = shifted.exp()
-    total = exps.sum(dim=-1, keepdim=True)
-    lse = (xmax + total.log())[:, 0]
+    # (Written as amax + sum(exp(x - max)), Inductor's online-softmax pass, the GPU chunk took 4.1
+    # instead of 3.5 ms per step on the H200: logsumexp stays.)
+    lse = torch.logsumexp(logits, dim=-1)
     ce = lse - logits.gather(1, y[:, None])[:, 0]
     pred = logits.argmax(dim=-1)
     if not need_grad:
         return ce, pred, None
     # d ce / d logits = softmax - onehot(label), then back through the frozen head.
-    probs = exps / total
+    probs = torch.exp(logits - lse[:, None])
     if torch.compiler.is_compiling():
         # Pointwise, so Inductor writes the gradient once, in the head's dtype, from the pass that
         # reads the logits; a scatter would first materialise fp32 probabilities (measured on the
