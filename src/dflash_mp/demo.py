@@ -14,18 +14,16 @@ target device at load time. Realistic-shape GPU benchmarks of the whole pipeline
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import math
 import os
 import random
-import shutil
-import tempfile
 from importlib import resources
 from typing import TYPE_CHECKING
 
 import torch
+
+from .fsutil import write_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -116,38 +114,6 @@ def demo_qwen3_config(tokenizer, **sizes):
     fields = {"vocab_size": vocab_size, **TINY_QWEN3, "tie_word_embeddings": False, **sizes}
     return Qwen3Config(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        bos_token_id=None, **fields)
-
-
-def write_atomic(out_dir: str, save) -> str:
-    """`save(tmp)` into a private temp dir, then rename it to `out_dir`: if `out_dir` already exists
-    (another process won the race), the existing copy is kept."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-build-")
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the renamed cache should read like any directory
-    try:
-        save(tmp)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not os.path.isfile(os.path.join(out_dir, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-@contextlib.contextmanager
-def file_lock(path: str):
-    """An exclusive lock between processes of one machine (flock on `path`; the OS drops it if the
-    holder dies)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_demo_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:

@@ -39,9 +39,8 @@ from .demo import (
     default_cache_dir,
     demo_qwen3_config,
     demo_texts,
-    file_lock,
-    write_atomic,
 )
+from .fsutil import file_lock, write_atomic
 
 LEARNED_TARGET = "builtin:learned-qwen3"
 # Bump when the corpus recipe, the tokenizer, the shapes or the training recipe change.

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from dflash_mp.batch import PackedBatch
 from dflash_mp.data.chat import load_conversations, tokenize_dataset
 from dflash_mp.data.packing import pack_rows, plan_batches
-from dflash_mp.demo import file_lock
+from dflash_mp.fsutil import file_lock
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""File-system helpers shared by processes of one machine: an inter-process lock and a directory
+written atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+
+
+def write_atomic(out_dir: str, save) -> str:
+    """`save(tmp)` into a private temp dir, then rename it to `out_dir` (a model directory). If
+    another process won the race, its complete copy (one with a config.json) is kept."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-build-")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the renamed cache should read like any directory
+    try:
+        save(tmp)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not os.path.isfile(os.path.join(out_dir, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+@contextlib.contextmanager
+def file_lock(path: str):
+    """An exclusive lock between processes of one machine (flock on `path`; the OS drops it if the
+    holder dies)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
