@@ -18,14 +18,14 @@ ARGS = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num
             vocab_size=128, target_layer_ids=[1, 2], block_size=8, mask_token_id=127)
 
 
-def _trainer(grad_clip: float = 1.0, precision: str = "fp32") -> DrafterTrainer:
+def _trainer(grad_clip: float = 1.0, precision: str = "fp32", group=None) -> DrafterTrainer:
     args = DrafterArgs(**ARGS)
     torch.manual_seed(0)
     obj = DFlashObjective(DFlashDrafter(args), args, torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02,
                           DrafterConfig(block_size=8, num_anchors=8, max_anchors_per_doc=4, loss_chunk_size=16))
     cfg = TrainConfig(compile="eager", warmup_ratio=0.0, lr=1e-2, grad_clip=grad_clip, weight_decay=0.1,
                       precision=precision)
-    return DrafterTrainer(obj, cfg, 10, None, torch.device("cpu"))
+    return DrafterTrainer(obj, cfg, 10, group, torch.device("cpu"))
 
 
 def _batch(seed: int = 0):
@@ -195,7 +195,9 @@ def test_state_dict_round_trip_resumes_the_same_run(precision):
 
 def _rank_bf16_step(rank, world_size):
     """One data-parallel step in bf16: each rank its own batch, gradients summed in fp32."""
-    tr = _trainer(1.0, "bf16")  # the process group exists: the optimizer averages over it
+    import torch.distributed as dist
+
+    tr = _trainer(1.0, "bf16", group=dist.group.WORLD)
     assert tr.opt.world == world_size
     tr.set_lr()
     tr.forward_backward(_batch(rank))

@@ -71,7 +71,8 @@ class FlatAdamW:
         self.hyper = dict(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                           weight_decay=float(weight_decay))
         self.group = group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # None: no data parallelism (one replica, or a one-process reference).
+        self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         device = params[0].device
         n = sum(p.numel() for p in params)
         f32 = dict(dtype=torch.float32, device=device)
@@ -131,9 +132,9 @@ class FlatAdamW:
         return self._reduce if self._reduce is not None else self.grad
 
     def step_(self, lr: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip to global norm `clip` (0: no clipping), update, zero the gradient. Returns the
-        pre-clip norm of the group-mean gradient and 1.0 if the step was skipped, as 0-d tensors.
-        No host sync."""
+        """Clip to global norm `clip` (0: no clipping) and update; the next backward's gradients
+        then replace this step's. Returns the pre-clip norm of the group-mean gradient and 1.0 if
+        the step was skipped, as 0-d tensors. No host sync."""
         grad = self._grad()
         gnorm = torch.linalg.vector_norm(grad, dtype=torch.float32) / self.world
         skip = (~torch.isfinite(gnorm)).float()
