@@ -112,12 +112,11 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
     prof = kernel_profile(step, device) if device.type == "cuda" else None
     flops = flops_per_step(p, st, 2 * steps)
-    med = ms
     out = {
-        "mode": mode, "ms_per_step": med, "ms_per_step_synced": median(synced), "ms_min_synced": min(synced),
-        "samples_per_s": 1000 / med,
-        "ctx_tokens_per_s": p["seq_len"] * 1000 / med, "tflop_per_step": flops / 1e12,
-        "mfu": flops / (med / 1000) / PEAK, "warmup_ms": warm,
+        "mode": mode, "ms_per_step": ms, "ms_per_step_synced": median(synced), "ms_min_synced": min(synced),
+        "samples_per_s": 1000 / ms,
+        "ctx_tokens_per_s": p["seq_len"] * 1000 / ms, "tflop_per_step": flops / 1e12,
+        "mfu": flops / (ms / 1000) / PEAK, "warmup_ms": warm,
         "recompiles_after_warmup": c1["graphs"] - c0["graphs"],
         "cudagraph_records_after_warmup": c1["cudagraph_records"] - c0["cudagraph_records"],
         "graphs_total": c1["graphs"],
@@ -163,8 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
-                    help="train.compile values with suffixes: +loss (compiled CE chunks), +amp (fp32 weights "
-                         "under autocast), +tiles=NAME (flex tiles of flex_tiles.py)")
+                    help="train.compile values with parse_mode's suffixes: +loss, +amp, +addgrads, +tiles=NAME")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")

@@ -179,7 +179,7 @@ def test_build_block_attention_builds_one_mask_per_kind():
     assert only_full.sliding is None and only_full.backend == "dense"  # auto on CPU
     with pytest.raises(ValueError, match="sliding_window"):
         build_block_attention(anchors, valid, doc_ids, 8, layer_types=["sliding_attention"], backend="dense")
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="drafter.attention='triton'"):
         build_block_attention(anchors, valid, doc_ids, 8, backend="triton")
 
 

@@ -78,7 +78,7 @@ def test_written_and_added_gradients_give_the_same_steps():
 
 def _reference_step(tr: DrafterTrainer, clip: float):
     """torch's clip_grad_norm_ + AdamW on fp32 copies of the weights, with the trainer's gradients."""
-    ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master(tr.param_names).values()]
+    ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master().values()]
     for r, g in zip(ref, tr.opt.grad_views):
         r.grad = g.float().clone()
     norm = torch.nn.utils.clip_grad_norm_(ref, clip) if clip > 0 else None
@@ -108,7 +108,7 @@ def test_bf16_working_weights_follow_fp32_master_weights():
     tr = _trainer(1.0, "bf16")
     assert tr.opt.work.dtype == torch.bfloat16 and tr.opt.grad.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 and _inside(p, tr.opt.work) for p in tr.params)
-    ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master(tr.param_names).values()]
+    ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master().values()]
     opt = torch.optim.AdamW(ref, lr=1.0, betas=tr.cfg.betas, weight_decay=0.1, foreach=False)
     for step in range(3):
         tr.set_lr()
@@ -119,8 +119,8 @@ def test_bf16_working_weights_follow_fp32_master_weights():
         opt.param_groups[0]["lr"] = tr.opt.lr
         opt.step()
         tr.optimizer_step()
-        master = tr.opt.named_master(tr.param_names)
-        for r, name in zip(ref, tr.param_names):
+        master = tr.opt.named_master()
+        for r, name in zip(ref, tr.opt.names):
             # The same update to fp32 weights: updates far below bf16's resolution still land.
             torch.testing.assert_close(master[name], r.detach(), rtol=1e-5, atol=1e-6)
         assert torch.equal(tr.opt.work, tr.opt.master.bfloat16())

@@ -54,19 +54,21 @@ def adamw_update(master, grad, exp_avg, exp_avg_sq, work, step, lr, divisor, ski
 
 
 class FlatAdamW:
-    """AdamW with clipping for `params`, which it rebinds: their data become views of its flat
-    buffers (see the module docstring). Build it before compiling the model; call `collect()`
-    after every backward.
+    """AdamW with clipping for `named_params` ((name, parameter) pairs), which it rebinds: their
+    data become views of its flat buffers (see the module docstring). Build it before compiling
+    the model; call `collect()` after every backward.
 
     `write_grads=False` keeps the older scheme for comparison: each `.grad` is a view of the
     buffer, autograd adds into it and the buffer is zeroed after each step."""
 
-    def __init__(self, params: list[nn.Parameter], *, lr: float, betas: tuple[float, float], weight_decay: float,
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
+                 weight_decay: float,
                  eps: float = 1e-8, dtype: torch.dtype = torch.float32, group=None, compiled: bool = False,
                  write_grads: bool = True):
-        if not params:
+        if not named_params:
             raise ValueError("FlatAdamW got no parameters; is every drafter weight frozen?")
-        self.params = params
+        self.names = [n for n, _ in named_params]
+        self.params = params = [p for _, p in named_params]
         self.lr = lr
         self.hyper = dict(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                           weight_decay=float(weight_decay))
@@ -131,16 +133,16 @@ class FlatAdamW:
     def _grad(self) -> torch.Tensor:
         return self._reduce if self._reduce is not None else self.grad
 
-    def step_(self, lr: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip to global norm `clip` (0: no clipping) and update; the next backward's gradients
-        then replace this step's. Returns the pre-clip norm of the group-mean gradient and 1.0 if
+    def step_(self, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip to global norm `clip` (0: no clipping) and update at `self.lr`; the next backward's
+        gradients then replace this step's. Returns the pre-clip norm of the group-mean gradient and 1.0 if
         the step was skipped, as 0-d tensors. No host sync."""
         grad = self._grad()
         gnorm = torch.linalg.vector_norm(grad, dtype=torch.float32) / self.world
         skip = (~torch.isfinite(gnorm)).float()
         # Clipping multiplies by clip / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does.
         divisor = (gnorm + 1e-6).div(clip).clamp(min=1.0) * self.world if clip > 0 else gnorm.new_full((), self.world)
-        self._lr.fill_(lr)
+        self._lr.fill_(self.lr)
         self._update(self.master, grad, self.exp_avg, self.exp_avg_sq, self.work, self.step, self._lr, divisor,
                      skip, **self.hyper)
         if self.write_grads:
@@ -149,22 +151,22 @@ class FlatAdamW:
             self.grad.zero_()
         return gnorm, skip
 
-    def named_master(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The fp32 master weights, one view per parameter, under `names` (the parameters' order)."""
-        return dict(zip(names, self._views(self.master)))
+    def named_master(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights, one view per parameter, by parameter name."""
+        return dict(zip(self.names, self._views(self.master)))
 
     def state_dict(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
 
-    def load_state_dict(self, master: dict[str, torch.Tensor], names: list[str], state: dict) -> None:
+    def load_state_dict(self, master: dict[str, torch.Tensor], state: dict) -> None:
         """Master weights by name plus `state_dict()`'s moments; the working copy follows."""
-        missing = [k for k in names if k not in master]
+        missing = [k for k in self.names if k not in master]
         if missing or "exp_avg" not in state:
             raise ValueError(f"checkpoint lacks {missing[:3] or ['optimizer moments']}: it was written by another "
                              "version of the trainer or for another drafter; start fresh (checkpoint.resume='') "
                              "or resume with the version that wrote it")
         with torch.no_grad():
-            for view, name in zip(self._views(self.master), names):
+            for view, name in zip(self._views(self.master), self.names):
                 if master[name].shape != view.shape:
                     raise ValueError(f"checkpoint tensor {name} has shape {tuple(master[name].shape)}, the "
                                      f"drafter {tuple(view.shape)}: the drafter config differs from the run's")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .batch import HiddenBatch, PackedBatch
+from .options import resolve_auto
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,8 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
 
 
 def resolve_attn(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "flex_attention" if device.type == "cuda" else "sdpa"
-    if name not in ("sdpa", "flex_attention", "eager"):
-        raise ValueError(f"target.attn_implementation={name!r}: use auto, sdpa, flex_attention or eager.")
-    return name
+    return resolve_auto("target.attn_implementation", name, device, cuda="flex_attention", cpu="sdpa",
+                        allowed=("sdpa", "flex_attention", "eager"))
 
 
 def doc_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):

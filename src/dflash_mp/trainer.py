@@ -30,6 +30,7 @@ from .model import (
 )
 from .model.attention import FLEX_KERNEL_OPTIONS
 from .optim import FlatAdamW
+from .options import resolve_auto
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class DFlashObjective(nn.Module):
         block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, b, self.args.mask_token_id)
         block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
         attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention,
-                                            flex_block_size=tuple(self.cfg.flex_block_size),
+                                            flex_block_size=self.cfg.flex_block_size,
                                             kernel_options=self.cfg.flex_kernel_options)
         out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
         loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size,
@@ -149,20 +150,14 @@ def lr_at(step: int, num_steps: int, cfg: TrainConfig) -> float:
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    if mode == "auto":
-        # The fastest mode measured on the H200 that runs under torchrun (BENCHMARKS.md).
-        return "default" if device.type == "cuda" else "eager"
-    if mode not in ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-        raise ValueError(f"train.compile={mode!r}: use auto, eager, default or reduce-overhead.")
-    return mode
+    # auto: the fastest mode measured on the H200 that runs under torchrun (BENCHMARKS.md).
+    return resolve_auto("train.compile", mode, device, cuda="default", cpu="eager",
+                        allowed=("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if precision not in ("bf16", "amp", "fp32"):
-        raise ValueError(f"train.precision={precision!r}: use auto, bf16, amp or fp32.")
-    return precision
+    return resolve_auto("train.precision", precision, device, cuda="bf16", cpu="fp32",
+                        allowed=("bf16", "amp", "fp32"))
 
 
 def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: bool = False):
@@ -186,17 +181,16 @@ class DrafterTrainer:
         self.num_steps = num_steps
         self.device = device
         self.step = 0
-        named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
-        self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
         self.mode = resolve_compile_mode(cfg.compile, device)
         self.precision = resolve_precision(cfg.precision, device)
         self.autocast = self.precision != "fp32"
         # Rebinds the parameters to its flat buffers, so it comes before compiling.
-        self.opt = FlatAdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+        named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
+        self.opt = FlatAdamW(named, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                              dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32, group=group,
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
                              write_grads=write_grads)  # False: the older add-into-.grad scheme (bench)
+        self.params = self.opt.params
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
         b = objective.args.block_size
         self.stats = _Stats(b, device)
@@ -247,28 +241,28 @@ class DrafterTrainer:
         return loss.detach()
 
     def optimizer_step(self) -> None:
-        """Clip + AdamW + zero the gradients (`FlatAdamW.step_`), with no host sync.
+        """Clip + AdamW (`FlatAdamW.step_`), with no host sync.
 
         The global norm is one reduction over the flat gradient; the clip factor and the
         data-parallel mean divide the gradient inside the update pass, and a non-finite norm skips
         the update there (weights, moments and step count untouched), so one bad batch costs a
         skipped step, not NaN weights. Skips are counted (`drafter/skipped_steps`).
         """
-        gnorm, skipped = self.opt.step_(self.opt.lr, self.cfg.grad_clip)
+        gnorm, skipped = self.opt.step_(self.cfg.grad_clip)
         self.stats.add_gnorm(gnorm, skipped)
         self.step += 1
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The drafter's weights at full precision (fp32 master), named as `drafter.state_dict()`."""
         state = self.objective.drafter.state_dict()
-        state.update(self.opt.named_master(self.param_names))
+        state.update(self.opt.named_master())
         return state
 
     def state_dict(self) -> dict:
         return {"drafter": self.master_state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["drafter"], self.param_names, state["optimizer"])
+        self.opt.load_state_dict(state["drafter"], state["optimizer"])
         self.step = state["step"]
 
 

@@ -26,6 +26,8 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from dflash_mp.options import resolve_auto
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 BACKENDS = ("auto", "dense", "flex")
@@ -87,11 +89,7 @@ def make_mask_mod(
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """`auto` picks flex on CUDA and dense elsewhere (flex has no CPU backward)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is unknown; use one of {BACKENDS}")
-    if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "dense"
-    return backend
+    return resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
 
 
 # Compiled once per process, created on first use so importing this module does no CUDA work.
