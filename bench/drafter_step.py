@@ -35,13 +35,14 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+amp` train.precision=amp (fp32 weights under autocast; the default is bf16 working weights);
     `+tiles=NAME` the flex BlockMask size and kernel options of bench/flex_tiles.py's variant NAME;
     `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step (the
-    default writes each step's gradients into it: FlatAdamW.collect)."""
+    default writes each step's gradients into it: FlatAdamW.collect); `+serial` train.optimizer_overlap
+    =false (the update runs after backward on the compute stream, not per layer on a side stream)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "amp", "tiles", "addgrads") or (key == "tiles") != bool(val):
-            raise ValueError(f"mode suffix {f!r}: use +loss, +amp, +addgrads or +tiles=NAME")
+        if key not in ("loss", "amp", "tiles", "addgrads", "serial") or (key == "tiles") != bool(val):
+            raise ValueError(f"mode suffix {f!r}: use +loss, +amp, +addgrads, +serial or +tiles=NAME")
         out[key] = val or True
     return base, out
 
@@ -68,7 +69,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention, **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
     cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss="loss" in flags, max_steps=10_000,
-                      warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto")
+                      warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
+                      optimizer_overlap="serial" not in flags)
     return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags)
 
 
@@ -83,9 +85,11 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     tr = build(p, mode, device, chunk, scope)
     i = [0]
 
-    def step(tr=tr):
+    def step(tr=tr, wait=True):
         tr.train_step(batches[i[0] % len(batches)])
         i[0] += 1
+        if wait:  # the timing event comes after this step's update, wherever it ran
+            tr.opt.wait_all()
 
     warm = timed(step, warmup, device)
     tr.stats.pop()
@@ -96,8 +100,8 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     # As training runs: steps back to back, the host queueing ahead, one sync at the end.
 
     def back_to_back(step=step):
-        for _ in range(steps):
-            step()
+        for k in range(steps):
+            step(wait=k == steps - 1)
 
     ms = timed(back_to_back, 1, device)[0] / steps
     c1 = counts()
@@ -110,6 +114,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         i[0] += 1
         phases.append(tr.phase_ms())
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
+    serial = tr.opt._stream is None  # else the update is not in the optimizer phase
     prof = kernel_profile(step, device) if device.type == "cuda" else None
     flops = flops_per_step(p, st, 2 * steps)
     out = {
@@ -122,7 +127,8 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "fwd_bwd_ms": median(fb), "optimizer_ms": median(op),
-        "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9,
+        "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9 if serial else None,
+        "optimizer_overlap": not serial,
         "profile": prof,
     }
     del step, back_to_back, tr
@@ -162,7 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
-                    help="train.compile values with parse_mode's suffixes: +loss, +amp, +addgrads, +tiles=NAME")
+                    help="train.compile values with parse_mode's suffixes: +loss, +amp, +addgrads, +serial, +tiles=NAME")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")
@@ -218,7 +224,7 @@ def main() -> None:
             continue
         print(f"{r['mode']:26} {r['ms_per_step']:9.2f} {r['ms_per_step_synced']:8.2f} {r['samples_per_s']:10.2f} "
               f"{r['mfu']:6.3f} {r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} "
-              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['optimizer_tb_per_s']:8.2f}")
+              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['optimizer_tb_per_s'] or 0:8.2f}")
     if "loss_match" in results:
         print("loss match:", results["loss_match"])
     for r in results["modes"]:

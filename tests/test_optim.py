@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_ranks
 
 from dflash_mp.model import DFlashDrafter, DrafterArgs
-from dflash_mp.optim import adamw_update
+from dflash_mp.optim import FlatAdamW, adamw_update
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -145,12 +145,16 @@ def _compare_update(g):
         bufs = [torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g),
                 torch.rand(n, generator=g), torch.zeros(n, dtype=torch.bfloat16), torch.tensor(3.0),
                 torch.tensor(1e-3), torch.tensor(2.0), torch.tensor(skip)]
+        orig_master = bufs[0].clone()
         eager = [b.clone() for b in bufs]
         adamw_update(*eager, **hyper)
         compiled(*bufs, **hyper)
         for a, b in zip(eager, bufs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        assert float(bufs[5]) == 3.0 + (1 - skip)
+        # A skipped step leaves the weights as they were; a taken one moves every weight.
+        unchanged = int((bufs[0] == orig_master).sum())
+        assert unchanged == n if skip else unchanged < n // 100
+        assert float(bufs[5]) == 3.0  # the caller counts steps
 
 
 def test_non_finite_gradients_skip_the_update_and_are_counted():
@@ -217,3 +221,45 @@ def test_bf16_gradients_are_averaged_in_fp32_across_ranks():
     assert torch.equal(m0, m1)  # every replica took the same step
     mean_norm = float(torch.linalg.vector_norm(expected / 2))
     assert abs(n0 - mean_norm) <= 1e-5 * mean_norm and n0 == n1
+
+
+def test_update_in_segments_equals_one_update_and_follows_the_forward():
+    """Eager mode splits the update per layer (on CUDA, on a side stream); the forward asks for
+    each module's weights in the order it runs them."""
+    seen = []
+    runs = []
+    for overlap in (True, False):
+        args = DrafterArgs(**{**ARGS, "num_layers": 3})
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(args)
+        obj = DFlashObjective(drafter, args, torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02,
+                              DrafterConfig(num_layers=3, block_size=8, num_anchors=8, max_anchors_per_doc=4,
+                                            loss_chunk_size=16))
+        cfg = TrainConfig(compile="eager", warmup_ratio=0.0, lr=1e-2, weight_decay=0.1, optimizer_overlap=overlap)
+        tr = DrafterTrainer(obj, cfg, 10, None, torch.device("cpu"))
+        assert len(tr.opt._segments) == (4 if overlap else 1)
+        if overlap:
+            wait = tr.opt.wait
+            drafter.before_module = lambda name: (seen.append(name), wait(name))
+        torch.manual_seed(3)
+        for step in range(3):
+            tr.train_step(_batch(step))
+        runs.append((tr.opt.master.clone(), tr.opt.exp_avg_sq.clone(), float(tr.opt.step)))
+    assert seen[:5] == ["fc", "hidden_norm", "layers.0", "layers.1", "layers.2"] and seen[5] == "norm"
+    assert len(seen) == 3 * 6
+    (m1, v1, s1), (m2, v2, s2) = runs
+    assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2 == 3.0
+
+
+def test_segments_must_be_contiguous_runs_covering_every_parameter():
+    ps = [(n, torch.nn.Parameter(torch.randn(4))) for n in ("a", "b", "c")]
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    with pytest.raises(ValueError, match="not a contiguous run"):
+        FlatAdamW(ps, segments=[["a", "c"], ["b"]], **kw)
+    with pytest.raises(ValueError, match="every trainable parameter once"):
+        FlatAdamW(ps, segments=[["a", "b"]], **kw)
+    with pytest.raises(ValueError, match="unknown: \\['d'\\]"):
+        FlatAdamW(ps, segments=[["a", "b", "c", "d"]], **kw)
+    opt = FlatAdamW(ps, segments=[["c"], ["a", "b"]], **kw)
+    assert [sorted(names) for names, _ in opt._segments] == [["c"], ["a", "b"]]
+    assert opt._segments[0][1][0].data_ptr() == opt.master[8:].data_ptr()

@@ -17,7 +17,7 @@ from common import synthetic_batch  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
 
 
-def build(mode: str, scope: str, loss: bool = False) -> DrafterTrainer:
+def build(mode: str, scope: str, loss: bool = False, overlap: bool = True) -> DrafterTrainer:
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
@@ -29,7 +29,8 @@ def build(mode: str, scope: str, loss: bool = False) -> DrafterTrainer:
     head = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
     obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
-    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=loss, warmup_ratio=0.0)
+    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=loss, warmup_ratio=0.0,
+                      optimizer_overlap=overlap)
     return DrafterTrainer(obj, cfg, 100, None, dev)
 
 
@@ -72,3 +73,29 @@ def test_training_step_never_synchronises_the_gpu(mode, loss):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_cuda_graphs_keep_the_update_on_the_compute_stream():
+    assert build("reduce-overhead", "layers", True).opt._stream is None
+    assert build("default", "layers", True).opt._stream is not None
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_updates_on_a_side_stream_give_the_same_weights(mode):
+    """Each layer's update overlaps the next forward; every layer still reads its updated weights."""
+    batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
+    runs = []
+    for overlap in (True, False):
+        tr = build(mode, "layers", True, overlap=overlap)
+        assert (tr.opt._stream is not None) == overlap and len(tr.opt._segments) == (3 if overlap else 1)
+        torch.manual_seed(7)
+        losses = []
+        for i in range(6):  # no host sync in between: the streams race as in training
+            tr.train_step(batches[i % 3])
+            losses.append(tr.stats.loss.clone())
+        runs.append(([float(x) for x in losses], tr.opt.named_master(), tr.opt.exp_avg_sq.clone()))
+    (l1, m1, v1), (l2, m2, v2) = runs
+    assert l1 == l2
+    assert torch.equal(v1, v2)
+    for name in m1:
+        assert torch.equal(m1[name], m2[name]), name

@@ -19,6 +19,12 @@ One step is one reduction (the global gradient norm) and one elementwise pass th
 gradient, master weights and moments and writes master, moments and the working copy: the
 clip factor, the data-parallel mean and the skip of non-finite steps are folded into it. Compiled,
 it is a single kernel at memory speed; the same function runs eagerly on CPU.
+
+The pass can run in segments (contiguous runs of parameters, e.g. one per decoder layer) on a
+side CUDA stream: it is memory-bound, and the next step's forward, which is matmul-bound, needs
+the segments one after the other. `wait(module)` makes the compute stream wait for the segment
+that holds a module's weights, just before the module runs; whatever reads the weights or the
+optimizer state outside the training step waits for all of them first.
 """
 
 from __future__ import annotations
@@ -32,25 +38,25 @@ def adamw_update(master, grad, exp_avg, exp_avg_sq, work, step, lr, divisor, ski
                  beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """One AdamW step in place over flat buffers; `torch.optim.AdamW`'s arithmetic.
 
-    The gradient used is `grad / divisor`. `step` counts applied updates; `lr`, `divisor` and
-    `skip` are 0-d tensors (no recompile when they change). `skip == 1` leaves every buffer as
-    it was, so a non-finite gradient costs one step, not NaN weights.
+    The gradient used is `grad / divisor`. `step` counts applied updates, this one included (the
+    caller advances it: a step may be applied in several segments); `lr`, `divisor` and `skip` are
+    0-d tensors (no recompile when they change). `skip == 1` leaves every buffer as it was, so a
+    non-finite gradient costs one step, not NaN weights. `work` (the low-precision copy) may be
+    None: the weights are the master.
     """
     keep = skip > 0
-    new_step = step + (1 - skip)
     g = grad.float() / divisor
     m = torch.lerp(exp_avg, g, 1 - beta1)
     v = exp_avg_sq * beta2 + (1 - beta2) * g * g
-    step_size = lr / (1 - beta1**new_step)
-    denom = v.sqrt() / torch.sqrt(1 - beta2**new_step) + eps
+    step_size = lr / (1 - beta1**step)
+    denom = v.sqrt() / torch.sqrt(1 - beta2**step) + eps
     p = master * (1 - lr * weight_decay) - step_size * m / denom
     p = torch.where(keep, master, p)
     exp_avg.copy_(torch.where(keep, exp_avg, m))
     exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, v))
     master.copy_(p)
-    if work is not master:
+    if work is not None:
         work.copy_(p)
-    step.copy_(new_step)
 
 
 class FlatAdamW:
@@ -58,13 +64,17 @@ class FlatAdamW:
     data become views of its flat buffers (see the module docstring). Build it before compiling
     the model; call `collect()` after every backward.
 
+    `segments`: lists of parameter names, in the order to update them; each list a contiguous run
+    of `named_params`, together all of them (default: one segment). `side_stream` (CUDA only):
+    the segments run on a side stream; see `wait`.
+
     `write_grads=False` keeps the older scheme for comparison: each `.grad` is a view of the
     buffer, autograd adds into it and the buffer is zeroed after each step."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
                  weight_decay: float,
                  eps: float = 1e-8, dtype: torch.dtype = torch.float32, group=None, compiled: bool = False,
-                 write_grads: bool = True):
+                 write_grads: bool = True, segments: list[list[str]] | None = None, side_stream: bool = False):
         if not named_params:
             raise ValueError("FlatAdamW got no parameters; is every drafter weight frozen?")
         self.names = [n for n, _ in named_params]
@@ -97,6 +107,34 @@ class FlatAdamW:
         low = dtype != torch.float32 and self.world > 1
         self._reduce = torch.empty(n, **f32) if low else None
         self._update = torch.compile(adamw_update, dynamic=False, fullgraph=True) if compiled else adamw_update
+        # One compiled graph per distinct segment length (offsets do not recompile).
+        self._segments = self._slices(segments or [self.names])
+        self._stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
+        self._pending: list[torch.cuda.Event | None] = [None] * len(self._segments)
+        self._waits: dict[str, list[int]] = {}
+
+    def _slices(self, segments: list[list[str]]) -> list[tuple[set[str], list]]:
+        """Per segment: its names and its slices of the buffers, in adamw_update's argument order."""
+        index = {n: i for i, n in enumerate(self.names)}
+        unknown = [n for seg in segments for n in seg if n not in index]
+        listed = sorted(index[n] for seg in segments for n in seg if n in index)
+        if unknown or listed != list(range(len(self.names))):
+            raise ValueError(f"optimizer segments must list every trainable parameter once; unknown: {unknown[:3]}, "
+                             f"listed {len(listed)} of {len(self.names)}")
+        offs = [0]
+        for p in self.params:
+            offs.append(offs[-1] + p.numel())
+        out = []
+        for seg in segments:
+            ids = sorted(index[n] for n in seg)
+            if ids != list(range(ids[0], ids[-1] + 1)):
+                raise ValueError(f"optimizer segment {seg[:2]}... is not a contiguous run of the parameters "
+                                 f"({self.names[ids[0]]} .. {self.names[ids[-1]]} has gaps)")
+            lo, hi = offs[ids[0]], offs[ids[-1] + 1]
+            work = None if self.work is self.master else self.work[lo:hi]
+            bufs = [self.master[lo:hi], self._grad()[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], work]
+            out.append((set(seg), bufs))
+        return out
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, offs = [], 0
@@ -105,8 +143,29 @@ class FlatAdamW:
             offs += p.numel()
         return out
 
+    def wait(self, module: str) -> None:
+        """Make the current stream wait until the weights under `module` (a name prefix such as
+        "layers.0") have their update of the last step; free where they have it already."""
+        ids = self._waits.get(module)
+        if ids is None:
+            pre = module + "."
+            ids = self._waits[module] = [i for i, (names, _) in enumerate(self._segments)
+                                         if any(n == module or n.startswith(pre) for n in names)]
+        for i in ids:
+            if self._pending[i] is not None:
+                torch.cuda.current_stream().wait_event(self._pending[i])
+
+    def wait_all(self) -> None:
+        """Make the current stream wait for every update of the last step (before reading the
+        weights, the gradient buffer or the optimizer state outside the training step)."""
+        for i, event in enumerate(self._pending):
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
+                self._pending[i] = None
+
     def collect(self) -> None:
         """Move the gradients backward left in `.grad` into the flat buffer (no host sync)."""
+        self.wait_all()  # the last update read the buffer
         if not self.write_grads:
             return
         grads = [p.grad for p in self.params]
@@ -137,25 +196,39 @@ class FlatAdamW:
         """Clip to global norm `clip` (0: no clipping) and update at `self.lr`; the next backward's
         gradients then replace this step's. Returns the pre-clip norm of the group-mean gradient and 1.0 if
         the step was skipped, as 0-d tensors. No host sync."""
-        grad = self._grad()
-        gnorm = torch.linalg.vector_norm(grad, dtype=torch.float32) / self.world
+        self.wait_all()
+        gnorm = torch.linalg.vector_norm(self._grad(), dtype=torch.float32) / self.world
         skip = (~torch.isfinite(gnorm)).float()
         # Clipping multiplies by clip / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does.
         divisor = (gnorm + 1e-6).div(clip).clamp(min=1.0) * self.world if clip > 0 else gnorm.new_full((), self.world)
         self._lr.fill_(self.lr)
-        self._update(self.master, grad, self.exp_avg, self.exp_avg_sq, self.work, self.step, self._lr, divisor,
-                     skip, **self.hyper)
+        self.step.add_(1 - skip)
+        side = self._stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # None: the current stream
+            for i, (_, bufs) in enumerate(self._segments):
+                self._update(*bufs, self.step, self._lr, divisor, skip, **self.hyper)
+                if side is not None:
+                    self._pending[i] = side.record_event()
+            if not self.write_grads:  # after the updates that read it, on their stream
+                self.grad.zero_()
+                if side is not None:
+                    self._pending[-1] = side.record_event()
+        if side is not None:
+            for t in (divisor, skip):  # freed here, still read there: keep their memory until it is done
+                t.record_stream(side)
         if self.write_grads:
             self._fresh = True  # the next backward's gradients overwrite this one's
-        else:
-            self.grad.zero_()
         return gnorm, skip
 
     def named_master(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights, one view per parameter, by parameter name."""
+        self.wait_all()
         return dict(zip(self.names, self._views(self.master)))
 
     def state_dict(self) -> dict:
+        self.wait_all()
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step}
 
     def load_state_dict(self, master: dict[str, torch.Tensor], state: dict) -> None:
@@ -165,6 +238,7 @@ class FlatAdamW:
             raise ValueError(f"checkpoint lacks {missing[:3] or ['optimizer moments']}: it was written by another "
                              "version of the trainer or for another drafter; start fresh (checkpoint.resume='') "
                              "or resume with the version that wrote it")
+        self.wait_all()
         with torch.no_grad():
             for view, name in zip(self._views(self.master), self.names):
                 if master[name].shape != view.shape:

@@ -73,6 +73,9 @@ class TrainConfig:
     #   graph: kernels compile once, in minutes, not per layer) | step: the whole objective is one graph
     compile_loss: bool = True  # compiled modes, layers scope: also compile each chunk of the fused CE
     #   (the 8B step: 157 -> 142 ms, BENCHMARKS.md); eager mode ignores it
+    optimizer_overlap: bool = True  # CUDA, layers scope or eager, not reduce-overhead: each layer's
+    #   AdamW update runs on a side stream while the next step's forward runs the layers before it
+    #   (time/optimizer then counts the gradient norm only; a wait for an update shows in time/fwd_bwd)
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16: bf16 working weights, fp32 master
     #   weights and moments | amp: fp32 weights under bf16 autocast (casts every weight every step) | fp32
     # After SIGTERM: the job stops within 2*logging.log_every steps with a checkpoint; a rank still
@@ -186,10 +189,18 @@ class DrafterTrainer:
         self.autocast = self.precision != "fp32"
         # Rebinds the parameters to its flat buffers, so it comes before compiling.
         named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
+        # The drafter's forward runs in Python between layers only in eager mode and layers scope:
+        # there it can wait for each layer's update just before the layer runs. Not with CUDA
+        # graphs: the 8B step went from 126 to 152 ms there, its graphs re-recorded (BENCHMARKS.md).
+        overlap = cfg.optimizer_overlap and self.mode != "reduce-overhead" and (
+            self.mode == "eager" or cfg.compile_scope == "layers")
         self.opt = FlatAdamW(named, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                              dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32, group=group,
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
-                             write_grads=write_grads)  # False: the older add-into-.grad scheme (bench)
+                             write_grads=write_grads,  # False: the older add-into-.grad scheme (bench)
+                             segments=_layer_segments([n for n, _ in named]) if overlap else None,
+                             side_stream=overlap)
+        objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
         b = objective.args.block_size
@@ -264,6 +275,16 @@ class DrafterTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["drafter"], state["optimizer"])
         self.step = state["step"]
+
+
+def _layer_segments(names: list[str]) -> list[list[str]]:
+    """Optimizer segments in the order the forward needs them: the weights outside the decoder
+    layers (the context projection comes first), then one segment per layer."""
+    groups: dict[str, list[str]] = {"": []}
+    for n in names:
+        parts = n.split(".")
+        groups.setdefault(".".join(parts[:2]) if parts[0] == "layers" else "", []).append(n)
+    return [g for g in groups.values() if g]
 
 
 class _Marks:

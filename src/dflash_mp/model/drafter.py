@@ -8,6 +8,7 @@ frozen LM head, both handled by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -253,6 +254,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(args.num_target_layers * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args)
+        # Called with a submodule's name ("fc", "layers.0", ...) just before it runs, outside any
+        # compiled layer: the trainer waits there for that module's optimizer update.
+        self.before_module: Callable[[str], None] | None = None
         self.init_weights()
 
     @torch.no_grad()
@@ -301,12 +305,21 @@ class DFlashDrafter(nn.Module):
         dtype, or run under autocast (bf16 activations over fp32 master weights).
         """
         dtype = block_embeds.dtype
+        before = self.before_module or _nothing
+        before("fc")
+        before("hidden_norm")
         # Fused and normalised once; every layer reuses it (no per-layer renormalisation).
         ctx = self.hidden_norm(self.fc(hidden))
         rope_q = self.rotary_emb(block_positions, dtype)
         rope_c = self.rotary_emb(ctx_positions, dtype)
         rope_k = (torch.cat([rope_c[0], rope_q[0]]), torch.cat([rope_c[1], rope_q[1]]))
         x = block_embeds
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            before(f"layers.{i}")
             x = layer(x, ctx, rope_q, rope_k, attn)
+        before("norm")
         return self.norm(x)
+
+
+def _nothing(name: str) -> None:
+    pass
