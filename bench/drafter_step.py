@@ -29,9 +29,10 @@ PEAK = 790e12
 
 
 def parse_mode(mode: str) -> tuple[str, dict]:
-    """`default+loss+amp+tiles=bwd64` -> ("default", {"loss": True, "amp": True, "tiles": "bwd64"}).
+    """`default+ce=triton+amp+tiles=bwd64` -> ("default", {"ce": "triton", "amp": True, "tiles": "bwd64"}).
 
-    Suffixes: `+loss` train.compile_loss=true (compiled CE chunks; without it the CE runs eager);
+    Suffixes: `+ce=KERNEL` train.loss_kernel=KERNEL (eager, inductor or triton; without it the CE
+    runs eager); `+loss` is `+ce=inductor` (the name of earlier runs);
     `+amp` train.precision=amp (fp32 weights under autocast; the default is bf16 working weights);
     `+tiles=NAME` the flex BlockMask size and kernel options of bench/flex_tiles.py's variant NAME;
     `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step (the
@@ -41,9 +42,11 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "amp", "tiles", "addgrads", "serial") or (key == "tiles") != bool(val):
-            raise ValueError(f"mode suffix {f!r}: use +loss, +amp, +addgrads, +serial or +tiles=NAME")
+        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "serial") or (key in ("tiles", "ce")) != bool(val):
+            raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +loss, +amp, +addgrads, +serial or +tiles=NAME")
         out[key] = val or True
+    if out.pop("loss", False):
+        out["ce"] = "inductor"
     return base, out
 
 
@@ -68,7 +71,7 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention, **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
-    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss="loss" in flags, max_steps=10_000,
+    cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags)
     return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags)
@@ -168,7 +171,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
-                    help="train.compile values with parse_mode's suffixes: +loss, +amp, +addgrads, +serial, +tiles=NAME")
+                    help="train.compile values with parse_mode's suffixes: +ce=KERNEL, +loss, +amp, +addgrads, +serial, "
+                         "+tiles=NAME")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")

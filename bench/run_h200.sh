@@ -7,6 +7,7 @@
 #   tests     the CUDA-only tests (compiled steps match eager, no hidden GPU sync, shm over CUDA IPC)
 #   drafter   Qwen3-8B drafter step: eager / compiled variants in one run + 50-step loss match (issue 4.1)
 #   tiles     flex_attention tile sizes on the 8B drafter's block mask (bench/flex_tiles.py)
+#   ce        one fused-CE chunk at 8B shapes per loss kernel, and the Triton kernels' tiles (bench/ce_chunk.py)
 #   target    Qwen3-8B target forward variants with kernel profiles (issue 4.3)
 #   small     ~0.6B drafter, launch-bound: eager vs default vs reduce-overhead (issue 4.2)
 #   pipeline  1+1 ranks sharing the GPU at Qwen3-8B shapes (issue 5)
@@ -17,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-$PWD/bench/results}"
 PIPE=${PIPE:-/tmp/dflash_pipe}
 LOG="$OUT/run_h200.log"
-PARTS=${*:-warm tests drafter tiles target small pipeline}
+PARTS=${*:-warm tests ce drafter tiles target small pipeline}
 DRAFTER_MODES=${DRAFTER_MODES:-eager,default,default+loss,reduce-overhead+loss}
 WARM_MODES=${WARM_MODES:-default+loss}  # the 8B modes compiled during `warm`
 LOSS_STEPS=${LOSS_STEPS:-50}
@@ -39,14 +40,16 @@ if has warm; then  # throw-away runs whose only product is the Inductor cache (f
     has drafter && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout "${T_WARM:-330}" python3 drafter_step.py \
         --preset qwen3_8b --modes "$WARM_MODES" --scope layers --steps 1 --warmup 2 > "$W/w8b.log" 2>&1) & warm_jobs+=($!); }
     has small && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=6 timeout "${T_WARM:-330}" python3 drafter_step.py \
-        --preset qwen3_0p6b --modes default+loss --scope layers --steps 1 --warmup 2 > "$W/w06.log" 2>&1) & warm_jobs+=($!); }
+        --preset qwen3_0p6b --modes "${SMALL_WARM_MODES:-default+ce=triton}" --scope layers --steps 1 --warmup 2 \
+        > "$W/w06.log" 2>&1) & warm_jobs+=($!); }
     has target && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=4 timeout "${T_WARM:-330}" python3 target_forward.py \
         --variants trunc-flex-compiled,trunc-flex-compiled-ingraph --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
 fi
 if has tests; then
     step gpu_tests "${T_TESTS:-330}" env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs -p no:cacheprovider \
         ${GPU_TESTS:-tests/test_trainer_compile.py tests/test_optim.py tests/test_transport_shm.py::test_cuda_stream \
-        tests/test_drafter.py::test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles}
+        tests/test_drafter.py::test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles \
+        tests/test_ce_kernels.py}
 fi
 for j in "${warm_jobs[@]}"; do wait "$j"; done
 if has warm; then
@@ -54,9 +57,10 @@ if has warm; then
     # CACHE_OUT: also ship the now-warm cache back (for the next device call), in parts of 15 MB.
     [ -n "${CACHE_OUT:-}" ] && (tar czf - -C "$(dirname "$TORCHINDUCTOR_CACHE_DIR")" "$(basename "$TORCHINDUCTOR_CACHE_DIR")" \
         | split -b 15M - "$CACHE_OUT/ind.tgz."; mb=$(du -cm "$CACHE_OUT"/ind.tgz.* | tail -1 | cut -f1)
-        [ "$mb" -gt 44 ] && rm -f "$CACHE_OUT"/ind.tgz.* && echo "== cache of $mb MB: too large to ship" >> "$LOG") &
+        [ "$mb" -gt 60 ] && rm -f "$CACHE_OUT"/ind.tgz.* && echo "== cache of $mb MB: too large to ship" >> "$LOG") &
 fi
 cd bench
+has ce && step ce_chunk "${T_CE:-120}" python3 ce_chunk.py ${CE_VARIANTS:+--variants "$CE_VARIANTS"}
 has drafter && step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --modes "$DRAFTER_MODES" \
     --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+loss}" --steps 10 --warmup 3
 has tiles && step flex_tiles "${T_TILES:-300}" python3 flex_tiles.py ${TILES:+--variants "$TILES"} \
@@ -79,5 +83,5 @@ if has pipeline; then
     (cd bench && python3 pipeline.py --target-json "$PIPE/target_qwen3_8b.json" \
         --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run") 2>&1 | tee -a "$LOG"
 fi
-grep -E "^(qwen3_|target forward|flex_attention, one)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
+grep -E "^(qwen3_|target forward|flex_attention, one|CE chunk)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
 grep -E "GPU ms.* by kernel class|loss match|passed|failed" "$LOG" | cut -c1-300

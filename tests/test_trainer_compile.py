@@ -17,7 +17,7 @@ from common import synthetic_batch  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
 
 
-def build(mode: str, scope: str, loss: bool = False, overlap: bool = True) -> DrafterTrainer:
+def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True) -> DrafterTrainer:
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
@@ -29,13 +29,14 @@ def build(mode: str, scope: str, loss: bool = False, overlap: bool = True) -> Dr
     head = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
     obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
-    cfg = TrainConfig(compile=mode, compile_scope=scope, compile_loss=loss, warmup_ratio=0.0,
+    cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=loss, warmup_ratio=0.0,
                       optimizer_overlap=overlap)
     return DrafterTrainer(obj, cfg, 100, None, dev)
 
 
-@pytest.mark.parametrize("mode,scope,loss", [("default", "step", False), ("reduce-overhead", "step", False),
-                                             ("reduce-overhead", "layers", False), ("default", "layers", True)])
+@pytest.mark.parametrize("mode,scope,loss", [("default", "step", "eager"), ("reduce-overhead", "step", "eager"),
+                                             ("reduce-overhead", "layers", "triton"), ("default", "layers", "inductor"),
+                                             ("default", "layers", "triton")])
 def test_compiled_losses_match_eager_and_never_recompile(mode, scope, loss):
     batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
 
@@ -58,7 +59,7 @@ def test_compiled_losses_match_eager_and_never_recompile(mode, scope, loss):
         assert abs(a - b) <= 2e-2 * abs(a), (ref, got)  # bf16 tolerance
 
 
-@pytest.mark.parametrize("mode,loss", [("eager", False), ("default", False), ("default", True)])
+@pytest.mark.parametrize("mode,loss", [("eager", "eager"), ("default", "inductor"), ("default", "triton")])
 def test_training_step_never_synchronises_the_gpu(mode, loss):
     """Between logging intervals the step queues work and returns: any device->host sync raises."""
     tr = build(mode, "layers", loss)
@@ -76,8 +77,8 @@ def test_training_step_never_synchronises_the_gpu(mode, loss):
 
 
 def test_cuda_graphs_keep_the_update_on_the_compute_stream():
-    assert build("reduce-overhead", "layers", True).opt._stream is None
-    assert build("default", "layers", True).opt._stream is not None
+    assert build("reduce-overhead", "layers", "triton").opt._stream is None
+    assert build("default", "layers", "triton").opt._stream is not None
 
 
 @pytest.mark.parametrize("mode", ["eager", "default"])
@@ -86,7 +87,7 @@ def test_updates_on_a_side_stream_give_the_same_weights(mode):
     batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
     runs = []
     for overlap in (True, False):
-        tr = build(mode, "layers", True, overlap=overlap)
+        tr = build(mode, "layers", "triton", overlap=overlap)
         assert (tr.opt._stream is not None) == overlap and len(tr.opt._segments) == (3 if overlap else 1)
         torch.manual_seed(7)
         losses = []

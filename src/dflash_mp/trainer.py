@@ -29,6 +29,7 @@ from .model import (
     slot_weights,
 )
 from .model.attention import FLEX_KERNEL_OPTIONS
+from .model.loss import LOSS_KERNELS
 from .optim import FlatAdamW
 from .options import resolve_auto
 
@@ -71,8 +72,9 @@ class TrainConfig:
     compile: str = "auto"  # auto (default on CUDA, eager on CPU) | eager | default | reduce-overhead
     compile_scope: str = "layers"  # layers: each decoder layer on its own (identical layers share one
     #   graph: kernels compile once, in minutes, not per layer) | step: the whole objective is one graph
-    compile_loss: bool = True  # compiled modes, layers scope: also compile each chunk of the fused CE
-    #   (the 8B step: 157 -> 142 ms, BENCHMARKS.md); eager mode ignores it
+    loss_kernel: str = "auto"  # the fused CE's passes over each chunk of logits: auto (triton on CUDA
+    #   in compiled modes, layers scope; else eager) | triton | inductor (a torch.compile'd chunk) |
+    #   eager. In step scope the chunk is part of the one graph and this is ignored.
     optimizer_overlap: bool = True  # CUDA, layers scope or eager, not reduce-overhead: each layer's
     #   AdamW update runs on a side stream while the next step's forward runs the layers before it
     #   (time/optimizer then counts the gradient norm only; a wait for an update shows in time/fwd_bwd)
@@ -123,7 +125,7 @@ class DFlashObjective(nn.Module):
         self.register_buffer("head", head.detach(), persistent=False)
         self.register_buffer("weights", slot_weights(args.block_size, cfg.gamma, device=embed.device),
                              persistent=False)
-        self.compile_loss = False  # set by compile_objective
+        self.loss_kernel = "eager"  # set by compile_objective
 
     def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
         b = self.args.block_size
@@ -137,7 +139,7 @@ class DFlashObjective(nn.Module):
                                             kernel_options=self.cfg.flex_kernel_options)
         out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
         loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size,
-                                    compiled=self.compile_loss)
+                                    kernel=self.loss_kernel)
         # Visible context keys per block = tokens of its document before the anchor = position_ids[a].
         ctx_keys = (position_ids[anchors] * valid).sum()
         return loss, correct, label_mask, ctx_keys
@@ -163,7 +165,22 @@ def resolve_precision(precision: str, device: torch.device) -> str:
                         allowed=("bf16", "amp", "fp32"))
 
 
-def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: bool = False):
+def resolve_loss_kernel(kernel: str, mode: str, device: torch.device) -> str:
+    from .model import ce_kernels
+
+    if kernel == "auto":
+        return "triton" if mode != "eager" and ce_kernels.available(device) else "eager"
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"train.loss_kernel={kernel!r}: use auto or one of {LOSS_KERNELS}")
+    if kernel == "triton" and not ce_kernels.available(device):
+        raise ValueError(f"train.loss_kernel=triton needs CUDA and the triton package (device {device}); "
+                         "use inductor or eager")
+    return kernel
+
+
+def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_kernel: str = "eager"):
+    """`loss_kernel`: a resolved LOSS_KERNELS value, used by eager mode and layers scope."""
+    objective.loss_kernel = loss_kernel
     if mode == "eager":
         return objective
     if scope == "step":
@@ -171,7 +188,6 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss: b
     if scope == "layers":
         for layer in objective.drafter.layers:
             layer.compile(mode=mode, dynamic=False)
-        objective.compile_loss = loss
         return objective
     raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")
 
@@ -202,7 +218,8 @@ class DrafterTrainer:
                              side_stream=overlap)
         objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
-        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, cfg.compile_loss)
+        self.loss_kernel = resolve_loss_kernel(cfg.loss_kernel, self.mode, device)
+        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel)
         b = objective.args.block_size
         self.stats = _Stats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step

@@ -58,16 +58,34 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad:
     return ce, pred, (probs.to(weight.dtype) @ weight).to(h.dtype)
 
 
+def _ce_chunk_triton(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool):
+    """`_ce_chunk` with the passes over the logits in Triton (model/ce_kernels.py): one read for
+    the statistics, one read and one in-place write for the gradient."""
+    from .ce_kernels import ce_stats, softmax_grad_
+
+    logits = F.linear(h, weight)
+    ce, pred, lse = ce_stats(logits, y)
+    if not need_grad:
+        return ce, pred, None
+    return ce, pred, (softmax_grad_(logits, y, lse) @ weight).to(h.dtype)
+
+
+LOSS_KERNELS = ("eager", "inductor", "triton")
 _COMPILED_CHUNK = None
 
 
-def _chunk_fn(compiled: bool):
-    """Eager, or the chunk compiled once per process: Inductor fuses the logsumexp, gather, argmax
-    and softmax-gradient passes over the `[chunk, vocab]` logits into a few kernels, so the fp32
-    logits are never written out. Inside an outer compiled step the raw function is traced."""
+def _chunk_fn(kernel: str):
+    """The chunk for loss kernel `kernel` (LOSS_KERNELS). `inductor`: the chunk compiled once per
+    process; Inductor fuses the logsumexp, gather, argmax and softmax-gradient passes over the
+    `[chunk, vocab]` logits into a few kernels, so fp32 logits are never written out. Inside an
+    outer compiled step the plain chunk is traced."""
     global _COMPILED_CHUNK
-    if not compiled or torch.compiler.is_compiling():
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {kernel!r}: use one of {LOSS_KERNELS}")
+    if kernel == "eager" or torch.compiler.is_compiling():
         return _ce_chunk
+    if kernel == "triton":
+        return _ce_chunk_triton
     if _COMPILED_CHUNK is None:
         _COMPILED_CHUNK = torch.compile(_ce_chunk, dynamic=False)
     return _COMPILED_CHUNK
@@ -77,9 +95,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-row CE of `hidden @ weight.T` against `labels`, chunked over rows."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, need_grad: bool, compiled: bool):
+    def forward(ctx, hidden, weight, labels, chunk_size: int, need_grad: bool, kernel: str):
         ce_parts, pred_parts, grad_parts = [], [], []
-        fn = _chunk_fn(compiled)
+        fn = _chunk_fn(kernel)
         for start in range(0, hidden.shape[0], chunk_size):
             ce, pred, grad = fn(hidden[start : start + chunk_size], weight, labels[start : start + chunk_size],
                                 need_grad)
@@ -107,16 +125,17 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int = 1024,
-    compiled: bool = False,
+    kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row CE `[N]` (fp32, or fp64 for fp64 inputs) and argmax `[N]` of `hidden [N, H] @ weight[V, H].T`.
 
     `weight` is treated as frozen: it never receives a gradient. The number of chunks is
     `ceil(N / chunk_size)`, fixed for fixed shapes, so a compiled step traces a fixed loop.
-    `compiled`: run each chunk through `torch.compile` (the eager step's largest fusable cost).
+    `kernel`: how each chunk's passes over the logits run (LOSS_KERNELS; the eager step's largest
+    fusable cost): eager PyTorch, a torch.compile'd chunk, or Triton kernels (CUDA).
     """
     need_grad = hidden.requires_grad and torch.is_grad_enabled()
-    return _FusedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, need_grad, compiled)
+    return _FusedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, need_grad, kernel)
 
 
 def dflash_loss(
@@ -126,9 +145,9 @@ def dflash_loss(
     label_mask: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 1024,
-    compiled: bool = False,
+    kernel: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted CE over slots 1..B-1 of every block.
+    """Weighted CE over slots 1..B-1 of every block (`kernel`: see fused_linear_cross_entropy).
 
     block_hidden `[A*B, H]` (the drafter output), labels/label_mask `[A, B]`, weights `[B]`.
     Returns `(loss, correct)`: `loss = sum(w * ce * mask) / sum(w * mask)` (0 when nothing is
@@ -136,7 +155,7 @@ def dflash_loss(
     """
     A, B = labels.shape
     hidden = block_hidden.view(A, B, -1)[:, 1:].reshape(A * (B - 1), -1)
-    ce, pred = fused_linear_cross_entropy(hidden, lm_head_weight, labels[:, 1:].reshape(-1), chunk_size, compiled)
+    ce, pred = fused_linear_cross_entropy(hidden, lm_head_weight, labels[:, 1:].reshape(-1), chunk_size, kernel)
     w = weights[1:].to(ce.dtype)[None, :] * label_mask[:, 1:].to(ce.dtype)
     loss = (ce.view(A, B - 1) * w).sum() / w.sum().clamp(min=1e-6)
     hits = pred.view(A, B - 1) == labels[:, 1:]
