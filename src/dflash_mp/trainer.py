@@ -70,8 +70,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     seed: int = 0  # init, anchors and data order
     compile: str = "auto"  # auto (default on CUDA, eager on CPU) | eager | default | reduce-overhead
-    compile_scope: str = "layers"  # layers: each decoder layer on its own (identical layers share one
-    #   graph: kernels compile once, in minutes, not per layer) | step: the whole objective is one graph
+    compile_scope: str = "layers"  # layers: each decoder layer (and each RMSNorm outside them) on its
+    #   own (identical layers share one graph: kernels compile once, in minutes, not per layer) |
+    #   step: the whole objective is one graph
     loss_kernel: str = "auto"  # the fused CE's passes over each chunk of logits: auto (triton on CUDA
     #   in compiled modes, layers scope; else eager) | triton | inductor (a torch.compile'd chunk) |
     #   eager. In step scope the chunk is part of the one graph and this is ignored.
@@ -186,8 +187,11 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_ke
     if scope == "step":
         return torch.compile(objective, mode=mode, dynamic=False)
     if scope == "layers":
-        for layer in objective.drafter.layers:
-            layer.compile(mode=mode, dynamic=False)
+        # The two RMSNorms outside the layers too: eagerly, each is ~10 memory-bound kernels over
+        # [rows, hidden] in fp32 forward and backward.
+        drafter = objective.drafter
+        for module in (*drafter.layers, drafter.hidden_norm, drafter.norm):
+            module.compile(mode=mode, dynamic=False)
         return objective
     raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")
 
