@@ -126,4 +126,63 @@ def kernel_profile(step, device, n: int = 3, top: int = 30) -> dict:
         kernels.append((us / 1000 / n, ev.count // n, ev.key[:120]))
     kernels.sort(reverse=True)
     return {"ms_per_step_by_class": dict(sorted(per.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"ms": round(ms, 3), "calls": c, "name": k} for ms, c, k in kernels[:top]]}
+            "top_kernels": [{"ms": round(ms, 3), "calls": c, "name": k} for ms, c, k in kernels[:top]],
+            "idle": idle_profile(prof, n)}
+
+
+def idle_profile(prof, n: int, top: int = 15) -> dict:
+    """Where the GPU does nothing: the union of all streams' kernel and copy intervals over the
+    profiled calls, and the idle gaps before each kernel name (ms per call), the largest first."""
+    try:
+        spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                       if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
+    except (AttributeError, TypeError) as e:  # the profiler's event API moved
+        return {"error": repr(e)}
+    if not spans:
+        return {}
+    busy = idle = 0.0
+    gaps: dict[str, list] = {}
+    cur_s, cur_e = spans[0][:2]
+    for s, e, name in spans[1:]:
+        if s > cur_e:
+            gap = gaps.setdefault(name[:90], [0.0, 0])
+            gap[0] += s - cur_e
+            gap[1] += 1
+            idle += s - cur_e
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_ms": (spans[-1][1] - spans[0][0]) / 1000 / n, "busy_ms": busy / 1000 / n,
+            "idle_ms": idle / 1000 / n, "gaps": sum(g[1] for g in gaps.values()) / n,
+            "idle_before": [{"ms": round(g[0] / 1000 / n, 3), "gaps": g[1] / n, "name": k} for k, g in worst]}
+
+
+def kernel_sources(step, device, top: int = 20) -> list[dict]:
+    """Which code launches the GPU's kernels in one call of `step`: per source line in dflash_mp
+    (the innermost frame of the launching op; backward ops have none and go by op name), the
+    number of kernels and their GPU time, the most kernels first. Small kernels cost launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    out: dict[str, list] = {}
+    try:
+        for ev in prof.events():
+            kernels = getattr(ev, "kernels", None) or []
+            if ev.device_type != torch.autograd.DeviceType.CPU or not kernels:
+                continue
+            frames = [f for f in (ev.stack or []) if "dflash_mp" in f or "/bench/" in f]
+            where = frames[0] if frames else f"(no stack) {ev.name}"
+            row = out.setdefault(where[-110:], [0, 0.0, set()])
+            row[0] += len(kernels)
+            row[1] += sum(k.duration for k in kernels) / 1000
+            row[2].update(k.name[:40] for k in kernels)
+    except (AttributeError, TypeError) as e:
+        return [{"error": repr(e)}]
+    rows = sorted(out.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"where": k, "kernels": v[0], "ms": round(v[1], 3), "names": sorted(v[2])[:4]} for k, v in rows]

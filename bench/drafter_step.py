@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from common import DRAFTERS, kernel_profile, median, synthetic_batch, timed, write_json
-from dflash_mp.compile_stats import counts
+from common import DRAFTERS, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
+from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
@@ -84,7 +84,7 @@ def flops_per_step(p: dict, stats: dict, steps: int) -> float:
     return drafter_matmul_flops(s, p["seq_len"], p["anchors"], b) + drafter_attention_flops(s, pairs) / steps
 
 
-def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
+def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=False) -> dict:
     tr = build(p, mode, device, chunk, scope)
     i = [0]
 
@@ -96,7 +96,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
 
     warm = timed(step, warmup, device)
     tr.stats.pop()
-    c0 = counts()
+    c0, m0 = counts(), graph_mismatches()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synced = timed(step, steps, device)  # one step at a time, the host waiting for each
@@ -107,7 +107,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
             step(wait=k == steps - 1)
 
     ms = timed(back_to_back, 1, device)[0] / steps
-    c1 = counts()
+    c1, m1 = counts(), graph_mismatches()
     st = tr.stats.pop()
     # Where a step's time goes: forward+backward vs optimizer (norm + clip/AdamW + zeroing), as the
     # trainer times the step before each log (CUDA events; wall clock on CPU).
@@ -119,6 +119,11 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
     serial = tr.opt._stream is None  # else the update is not in the optimizer phase
     prof = kernel_profile(step, device) if device.type == "cuda" else None
+    if prof is not None and sources:
+        try:
+            prof["sources"] = kernel_sources(step, device)
+        except Exception as e:  # a diagnostic: it must not lose the mode's figures
+            prof["sources"] = [{"error": f"{type(e).__name__}: {e}"[:300]}]
     flops = flops_per_step(p, st, 2 * steps)
     out = {
         "mode": mode, "ms_per_step": ms, "ms_per_step_synced": median(synced), "ms_min_synced": min(synced),
@@ -127,6 +132,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope) -> dict:
         "mfu": flops / (ms / 1000) / PEAK, "warmup_ms": warm,
         "recompiles_after_warmup": c1["graphs"] - c0["graphs"],
         "cudagraph_records_after_warmup": c1["cudagraph_records"] - c0["cudagraph_records"],
+        "cudagraph_replay_misses_after_warmup": {k: v - m0.get(k, 0) for k, v in m1.items() if v > m0.get(k, 0)},
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "fwd_bwd_ms": median(fb), "optimizer_ms": median(op),
@@ -179,6 +185,7 @@ def main() -> None:
     ap.add_argument("--loss-mode", default=None, help="default: the last compiled mode in --modes")
     ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
+    ap.add_argument("--sources", action="store_true", help="also attribute the first mode's kernels to source lines")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = DRAFTERS[a.preset]
@@ -188,7 +195,7 @@ def main() -> None:
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
     for mode in a.modes.split(","):
         try:
-            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope)
+            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
@@ -235,6 +242,15 @@ def main() -> None:
         if r.get("profile"):
             cls = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["ms_per_step_by_class"].items())
             print(f"{r['mode']} GPU ms/step by kernel class: {cls}")
+            if r.get("cudagraph_replay_misses_after_warmup"):
+                print(f"{r['mode']} CUDA graph replay misses after warm-up: {r['cudagraph_replay_misses_after_warmup']}")
+            for src in r["profile"].get("sources", [])[:12]:
+                print(f"  {src.get('kernels', 0):4d} kernels {src.get('ms', 0):7.3f} ms  {src.get('where', src)}")
+            idle = r["profile"].get("idle") or {}
+            if "idle_ms" in idle:
+                print(f"{r['mode']} GPU idle {idle['idle_ms']:.2f} ms/step in {idle['gaps']:.0f} gaps "
+                      f"(busy {idle['busy_ms']:.1f}); before: "
+                      + "; ".join(f"{g['name'][:40]} {g['ms']:.2f}" for g in idle["idle_before"][:6]))
 
 
 if __name__ == "__main__":

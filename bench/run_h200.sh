@@ -62,7 +62,7 @@ fi
 cd bench
 has ce && step ce_chunk "${T_CE:-120}" python3 ce_chunk.py ${CE_VARIANTS:+--variants "$CE_VARIANTS"}
 has drafter && step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --modes "$DRAFTER_MODES" \
-    --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+loss}" --steps 10 --warmup 3
+    --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+loss}" --steps 10 --warmup 3 ${DRAFTER_ARGS:-}
 has tiles && step flex_tiles "${T_TILES:-300}" python3 flex_tiles.py ${TILES:+--variants "$TILES"} \
     --budget-s $(( ${T_TILES:-300} - 60 ))
 TARGET_VARIANTS=${TARGET_VARIANTS:-full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled,trunc-flex-compiled-ingraph}
@@ -84,4 +84,4 @@ if has pipeline; then
         --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run") 2>&1 | tee -a "$LOG"
 fi
 grep -E "^(qwen3_|target forward|flex_attention, one|CE chunk)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
-grep -E "GPU ms.* by kernel class|loss match|passed|failed" "$LOG" | cut -c1-300
+grep -E "GPU ms.* by kernel class|GPU idle|loss match|passed|failed" "$LOG" | cut -c1-300

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 _RECORDS = [0]
 _INSTALLED = [False]
+_MISMATCHES: dict[str, int] = {}
 
 
 def _install() -> None:
@@ -22,8 +23,25 @@ def _install() -> None:
             init(self, *args, **kwargs)
 
         cgt.CUDAGraphNode.__init__ = counting_init
+        check = cgt.CUDAGraphNode.check_invariants
+
+        def noting_check(self, *args, **kwargs):
+            status, logger = check(self, *args, **kwargs)
+            if status != cgt.CheckInvariantStatus.SUCCESS:
+                name = getattr(status, "name", str(status))
+                _MISMATCHES[name] = _MISMATCHES.get(name, 0) + 1
+            return status, logger
+
+        cgt.CUDAGraphNode.check_invariants = noting_check
     except (ImportError, AttributeError):
         _RECORDS[0] = -1
+
+
+def graph_mismatches() -> dict[str, int]:
+    """Why recorded CUDA graphs could not be replayed so far ({reason: times}): each such miss is
+    followed by a new recording. Private API: {} if it moved."""
+    _install()
+    return dict(_MISMATCHES)
 
 
 def counts() -> dict[str, int]:
