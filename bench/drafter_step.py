@@ -117,7 +117,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         i[0] += 1
         phases.append(tr.phase_ms())
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
-    serial = tr.opt._stream is None  # else the update is not in the optimizer phase
+    serial = not tr.opt.on_side_stream  # else the update is not in the optimizer phase
     prof = kernel_profile(step, device) if device.type == "cuda" else None
     if prof is not None and sources:
         try:

@@ -77,8 +77,8 @@ def test_training_step_never_synchronises_the_gpu(mode, loss):
 
 
 def test_cuda_graphs_keep_the_update_on_the_compute_stream():
-    assert build("reduce-overhead", "layers", "triton").opt._stream is None
-    assert build("default", "layers", "triton").opt._stream is not None
+    assert not build("reduce-overhead", "layers", "triton").opt.on_side_stream
+    assert build("default", "layers", "triton").opt.on_side_stream
 
 
 @pytest.mark.parametrize("mode", ["eager", "default"])
@@ -88,7 +88,7 @@ def test_updates_on_a_side_stream_give_the_same_weights(mode):
     runs = []
     for overlap in (True, False):
         tr = build(mode, "layers", "triton", overlap=overlap)
-        assert (tr.opt._stream is not None) == overlap and len(tr.opt._segments) == (3 if overlap else 1)
+        assert tr.opt.on_side_stream == overlap and len(tr.opt._segments) == (3 if overlap else 1)
         torch.manual_seed(7)
         losses = []
         for i in range(6):  # no host sync in between: the streams race as in training

@@ -143,6 +143,11 @@ class FlatAdamW:
             offs += p.numel()
         return out
 
+    @property
+    def on_side_stream(self) -> bool:
+        """Whether the updates run on a side stream (see `wait`)."""
+        return self._stream is not None
+
     def wait(self, module: str) -> None:
         """Make the current stream wait until the weights under `module` (a name prefix such as
         "layers.0") have their update of the last step; free where they have it already."""

@@ -175,6 +175,9 @@ def build_trainer(ctx: RunContext, num_steps: int):
     embed, head = load_target_head(ctx.target_path, ctx.dtype, ctx.device)
     objective = DFlashObjective(drafter, args, embed, head, job.drafter)
     trainer = DrafterTrainer(objective, job.train, num_steps, ctx.topo.drafter_group, ctx.device)
+    log.info("drafter step: compile %s (%s scope), %s weights, loss kernel %s, optimizer update %s",
+             trainer.mode, job.train.compile_scope, trainer.precision, trainer.loss_kernel,
+             "per layer on a side stream" if trainer.opt.on_side_stream else "after backward")
     # Anchor sampling differs per drafter rank, reproducibly.
     torch.manual_seed(job.train.seed + 1 + ctx.topo.role_rank)
     return trainer, args
