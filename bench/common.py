@@ -161,13 +161,13 @@ def idle_profile(prof, n: int, top: int = 15) -> dict:
 
 
 def kernel_sources(step, device, top: int = 20) -> list[dict]:
-    """Which code launches the GPU's kernels in one call of `step`: per source line in dflash_mp
-    (the innermost frame of the launching op; backward ops have none and go by op name), the
-    number of kernels and their GPU time, the most kernels first. Small kernels cost launch gaps."""
+    """Which ops launch the GPU's kernels in one call of `step`: per launching op (an aten op, or an
+    Inductor kernel launched as itself), the number of kernels, their GPU time and some of their
+    names, the most kernels first. Small kernels cost launch gaps."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
     out: dict[str, list] = {}
@@ -176,13 +176,11 @@ def kernel_sources(step, device, top: int = 20) -> list[dict]:
             kernels = getattr(ev, "kernels", None) or []
             if ev.device_type != torch.autograd.DeviceType.CPU or not kernels:
                 continue
-            frames = [f for f in (ev.stack or []) if "dflash_mp" in f or "/bench/" in f]
-            where = frames[0] if frames else f"(no stack) {ev.name}"
-            row = out.setdefault(where[-110:], [0, 0.0, set()])
+            row = out.setdefault(ev.name[:110], [0, 0.0, set()])
             row[0] += len(kernels)
             row[1] += sum(k.duration for k in kernels) / 1000
             row[2].update(k.name[:40] for k in kernels)
     except (AttributeError, TypeError) as e:
         return [{"error": repr(e)}]
     rows = sorted(out.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"where": k, "kernels": v[0], "ms": round(v[1], 3), "names": sorted(v[2])[:4]} for k, v in rows]
+    return [{"op": k, "kernels": v[0], "ms": round(v[1], 3), "names": sorted(v[2])[:4]} for k, v in rows]

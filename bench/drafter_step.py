@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--loss-mode", default=None, help="default: the last compiled mode in --modes")
     ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
-    ap.add_argument("--sources", action="store_true", help="also attribute the first mode's kernels to source lines")
+    ap.add_argument("--sources", action="store_true", help="also count the first mode's kernels by the op that launches them")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = DRAFTERS[a.preset]
@@ -245,7 +245,7 @@ def main() -> None:
             if r.get("cudagraph_replay_misses_after_warmup"):
                 print(f"{r['mode']} CUDA graph replay misses after warm-up: {r['cudagraph_replay_misses_after_warmup']}")
             for src in r["profile"].get("sources", [])[:12]:
-                print(f"  {src.get('kernels', 0):4d} kernels {src.get('ms', 0):7.3f} ms  {src.get('where', src)}")
+                print(f"  {src.get('kernels', 0):4d} kernels {src.get('ms', 0):7.3f} ms  {src.get('op', src)}")
             idle = r["profile"].get("idle") or {}
             if "idle_ms" in idle:
                 print(f"{r['mode']} GPU idle {idle['idle_ms']:.2f} ms/step in {idle['gaps']:.0f} gaps "

@@ -86,7 +86,10 @@ class FlatAdamW:
         # None: no data parallelism (one replica, or a one-process reference).
         self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         device = params[0].device
-        n = sum(p.numel() for p in params)
+        self._offsets = [0]  # parameter i lives at [_offsets[i], _offsets[i + 1]) of every flat buffer
+        for p in params:
+            self._offsets.append(self._offsets[-1] + p.numel())
+        n = self._offsets[-1]
         f32 = dict(dtype=torch.float32, device=device)
         self.master = torch.empty(n, **f32)
         for view, p in zip(self._views(self.master), params):
@@ -121,9 +124,7 @@ class FlatAdamW:
         if unknown or listed != list(range(len(self.names))):
             raise ValueError(f"optimizer segments must list every trainable parameter once; unknown: {unknown[:3]}, "
                              f"listed {len(listed)} of {len(self.names)}")
-        offs = [0]
-        for p in self.params:
-            offs.append(offs[-1] + p.numel())
+        offs = self._offsets
         out = []
         for seg in segments:
             ids = sorted(index[n] for n in seg)
@@ -137,11 +138,7 @@ class FlatAdamW:
         return out
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, offs = [], 0
-        for p in self.params:
-            out.append(flat[offs: offs + p.numel()].view_as(p))
-            offs += p.numel()
-        return out
+        return [flat[lo:hi].view_as(p) for p, lo, hi in zip(self.params, self._offsets, self._offsets[1:])]
 
     @property
     def on_side_stream(self) -> bool:

@@ -29,6 +29,7 @@ from .model import (
     slot_weights,
 )
 from .model.attention import FLEX_KERNEL_OPTIONS
+from .model import ce_kernels
 from .model.loss import LOSS_KERNELS
 from .optim import FlatAdamW
 from .options import resolve_auto
@@ -167,8 +168,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def resolve_loss_kernel(kernel: str, mode: str, device: torch.device) -> str:
-    from .model import ce_kernels
-
     if kernel == "auto":
         return "triton" if mode != "eager" and ce_kernels.available(device) else "eager"
     if kernel not in LOSS_KERNELS:

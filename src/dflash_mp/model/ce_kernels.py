@@ -16,6 +16,7 @@ module loads where only the CPU build of torch is installed.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,8 +28,6 @@ GRAD_WARPS = 8  # warps per tile of the gradient pass
 
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
-    import os
-
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
