@@ -10,6 +10,7 @@ same payload once (it reads and writes it, like the ring's single copy into the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -21,12 +22,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import synthetic_batch, write_json  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
-from dflash_mp.transport import SlotSpec, TransportConfig, build_transport  # noqa: E402
+from dflash_mp.main import pick_device  # noqa: E402
+from dflash_mp.transport import SlotSpec, TransportConfig, build_transport, p2p_pairs  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", default="shm")
+    ap.add_argument("--targets", type=int, default=1, help="target ranks; every pair sends at once")
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=3072)
@@ -34,16 +37,18 @@ def main() -> None:
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = pick_device(int(os.environ["LOCAL_RANK"]))
     shared = cuda and world > torch.cuda.device_count()
     backend = "nccl" if cuda and not shared else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
-    topo = Topology.plan(1, rank, world).init_groups(backend)
+    cfg = TransportConfig(kind=a.kind, depth=a.depth)
+    topo = dataclasses.replace(Topology.plan(a.targets, rank, world),
+                               gpus_per_node=torch.cuda.device_count() if cuda else 0)
+    topo.init_groups("auto" if cuda else "gloo", p2p_pairs=p2p_pairs(cfg, topo))  # as the trainer does
+    topo.connect(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     spec = SlotSpec(a.seq_len, a.hidden, dtype, device)
-    t = build_transport(TransportConfig(kind=a.kind, depth=a.depth), topo, spec)
+    t = build_transport(cfg, topo, spec)
     hb = synthetic_batch(a.seq_len, a.hidden, 151936, device, dtype, seed=rank)
     warm = 10
     if topo.role == "target":
@@ -79,13 +84,13 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         copy_s = (time.perf_counter() - c0) / 50
-        res = {"kind": a.kind, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+        res = {"kind": a.kind, "world": world, "rank": rank, "pair": [src, rank], "device": torch.cuda.get_device_name() if cuda else "cpu",
                "batch_mb": spec.message_bytes / 1e6, "batches": a.batches, "ring_gb_per_s": gb / dt,
                "ring_ms_per_batch": 1000 * dt / a.batches, "copy_gb_per_s": spec.slot_bytes / 1e9 / copy_s,
                "copy_ms_per_batch": 1000 * copy_s}
-        write_json(res, f"ring_{a.kind}_w{world}.json")
+        write_json(res, f"ring_{a.kind}_w{world}_r{rank}.json")
         print(f"\n{'transport':10} {'MB/batch':>9} {'ms/batch':>9} {'GB/s':>8} | copy {'ms':>6} {'GB/s':>8}")
-        print(f"{a.kind:10} {res['batch_mb']:9.1f} {res['ring_ms_per_batch']:9.3f} {res['ring_gb_per_s']:8.1f} | "
+        print(f"{a.kind + f' {src}->{rank}':10} {res['batch_mb']:9.1f} {res['ring_ms_per_batch']:9.3f} {res['ring_gb_per_s']:8.1f} | "
               f"     {res['copy_ms_per_batch']:6.3f} {res['copy_gb_per_s']:8.1f}", flush=True)
     t.close()
     dist.destroy_process_group()

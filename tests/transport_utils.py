@@ -5,13 +5,14 @@ Each rank function takes the transport `kind`; `dist_utils.run_ranks` runs it on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from dflash_mp.batch import HiddenBatch
 from dflash_mp.topology import Topology
-from dflash_mp.transport import SlotSpec, TransportConfig, build_transport
+from dflash_mp.transport import SlotSpec, TransportConfig, build_transport, p2p_pairs
 
 T, H = 16, 8
 
@@ -45,9 +46,13 @@ def check_batch_content(got: HiddenBatch, src: int, dst: int, seq: int) -> None:
 
 
 def setup(rank, world, num_targets, kind, depth=2, timeout_s=20.0, dtype=torch.float32, device="cpu", **cfg):
-    topo = Topology.plan(num_targets, rank, world).init_groups("gloo")
-    spec = SlotSpec(T, H, dtype, torch.device(device))
     cfg = TransportConfig(kind=kind, depth=depth, timeout_s=timeout_s, **cfg)
+    topo = Topology.plan(num_targets, rank, world)
+    cuda = str(device).startswith("cuda")
+    if cuda:  # as the trainer places ranks: NCCL wherever the members own distinct GPUs
+        topo = dataclasses.replace(topo, gpus_per_node=torch.cuda.device_count())
+    topo.init_groups("auto" if cuda else "gloo", p2p_pairs=p2p_pairs(cfg, topo))
+    spec = SlotSpec(T, H, dtype, torch.device(device))
     transport = build_transport(cfg, topo, spec)
     return topo, transport
 

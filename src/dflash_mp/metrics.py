@@ -126,12 +126,13 @@ def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "
     flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).reshape(())
                         for k in keys])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        if device.type == "cpu" or dist.get_backend(group) != "gloo":
-            dist.all_reduce(flat, group=group)
-        else:
-            cpu = flat.cpu()
-            dist.all_reduce(cpu, group=group)
-            flat = cpu
+        # The group's backend decides where the numbers go: host memory for gloo, a GPU for NCCL
+        # (a target's host-side floats on an NCCL target group, say).
+        gloo = dist.get_backend(group) == "gloo"
+        where = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
+        moved = flat.to(where)
+        dist.all_reduce(moved, group=group)
+        flat = moved
         if mode == "mean":
             flat = flat / dist.get_world_size(group)
     return dict(zip(keys, flat.tolist()))

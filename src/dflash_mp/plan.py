@@ -286,8 +286,7 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
             f"best overall shares one GPU: torchrun --nproc-per-node {best.num_processes} ... "
             f"topology.num_target_ranks={best.num_target_ranks}  (ranks beyond the GPU count wrap onto "
             "GPU 0, so the last rank, a drafter, shares GPU 0 with target rank 0 over the shm ring; "
-            "such a run uses gloo process groups, so the drafter all-reduce goes through host memory: "
-            "worth it only when the drafter's gradients are small next to its step time)")
+            "groups whose members own distinct GPUs, the drafters' included, still run on NCCL)")
     return "\n".join(lines)
 
 

@@ -21,7 +21,9 @@ class TopologyConfig:
     # Ranks running the frozen target; the rest train the drafter. "auto" = the best whole-GPU split
     # of the planner's FLOP estimate (`python -m dflash_mp.plan`); 0 only with transport.kind=files.
     num_target_ranks: int | str = 1
-    backend: str = "auto"  # torch.distributed backend: auto (nccl with CUDA, else gloo) | nccl | gloo
+    # torch.distributed backend: auto (on CUDA, nccl for every group whose members own distinct GPUs,
+    # gloo where two members share one; gloo on CPU) | nccl | gloo (everywhere)
+    backend: str = "auto"
     # Process-group timeout (collectives, NCCL watchdog). 0 = auto: 120 s on CPU; 1800 s on CUDA,
     # where a drafter's first compiled step keeps posted receives waiting for minutes. Dead peers
     # are caught sooner by transport.timeout_s, which bounds every wait for data or credit.
@@ -53,6 +55,9 @@ class Topology:
     drafter_group: object = field(default=None, repr=False)
     control_group: object = field(default=None, repr=False)  # gloo, whole world: metadata, liveness
     drafter_cpu_group: object = field(default=None, repr=False)  # gloo, drafters: checkpoint barriers
+    pair_groups: dict = field(default_factory=dict, repr=False)  # (target, drafter) -> group of a p2p pair
+    gpus_per_node: int = 0  # 0: CPU ranks; else rank r runs on GPU (r % ranks_per_node) % gpus_per_node
+    backends: dict = field(default_factory=dict)  # group name -> backend it was built with
 
     # ---------------------------------------------------------------- planning (pure)
     @classmethod
@@ -117,16 +122,74 @@ class Topology:
                    drafter_ranks=drafters, feeds={}, sources={d: () for d in drafters})
 
     # ---------------------------------------------------------------- groups (collective)
-    def init_groups(self, backend: str, timeout=None) -> "Topology":
-        """Build every group on every rank in one fixed order; call once after init_process_group."""
+    def gpu_of(self, rank: int) -> tuple[int, int] | None:
+        """(node, GPU index) of `rank` (what `pick_device` chooses from LOCAL_RANK), None on CPU."""
+        if not self.gpus_per_node:
+            return None
+        return self.node_of(rank), (rank % self.ranks_per_node) % self.gpus_per_node
+
+    def shares_gpu(self, ranks) -> bool:
+        gpus = [self.gpu_of(r) for r in ranks]
+        return None in gpus or len(set(gpus)) < len(gpus)
+
+    def backend_for(self, ranks, backend: str) -> str:
+        """`backend` auto: nccl when every member owns a GPU of its own, else gloo (NCCL cannot put
+        two ranks of one communicator on one device)."""
+        if backend != "auto":
+            return backend
+        return "gloo" if self.shares_gpu(ranks) else "nccl"
+
+    def init_groups(self, backend: str, timeout=None, p2p_pairs=(), on_group=None) -> "Topology":
+        """Build every group on every rank in one fixed order; call once after init_process_group.
+
+        NCCL communicators are created lazily (the default group is not bound to a device): an
+        eagerly bound default group makes `new_group` split its communicator, a collective of the
+        whole world that non-members join too, and on torch 2.11 the split deadlocks against gloo
+        group creation. `connect()` then creates each NCCL communicator among its members only.
+        Each p2p (target, drafter) pair gets a group of its own, so its traffic neither queues
+        behind collectives nor behind another pair's transfers. `on_group(name)` is told each step.
+        """
         kw = {"timeout": timeout} if timeout is not None else {}
+
+        def new(name: str, ranks, be: str):
+            if on_group is not None:
+                on_group(f"new_group {name} ({be})")
+            self.backends[name] = be
+            return dist.new_group(list(ranks), backend=be, **kw)
+
         # No target group in a drafter-only job (the same on every rank, so the order still agrees).
         if self.target_ranks:
-            self.target_group = dist.new_group(list(self.target_ranks), backend=backend, **kw)
-        self.drafter_group = dist.new_group(list(self.drafter_ranks), backend=backend, **kw)
-        self.control_group = dist.new_group(list(range(self.world_size)), backend="gloo", **kw)
-        self.drafter_cpu_group = dist.new_group(list(self.drafter_ranks), backend="gloo", **kw)
+            self.target_group = new("targets", self.target_ranks, self.backend_for(self.target_ranks, backend))
+        self.drafter_group = new("drafters", self.drafter_ranks, self.backend_for(self.drafter_ranks, backend))
+        self.control_group = new("control", range(self.world_size), "gloo")
+        self.drafter_cpu_group = new("drafters_cpu", self.drafter_ranks, "gloo")
+        for t, d in sorted(p2p_pairs):
+            self.pair_groups[(t, d)] = new(f"pair {t}->{d}", (t, d), self.backend_for((t, d), backend))
         return self
+
+    def connect(self, device, on_group=None) -> None:
+        """Create every NCCL communicator this rank belongs to now, at start-up, not mid-run (a first
+        collective blocks until all members arrive). Role groups first (disjoint members), then the
+        pairs in one global order, which no two ranks can wait on in opposite orders."""
+        import torch
+
+        if device.type != "cuda":
+            return
+        x = torch.zeros(1, device=device)
+        for name, group, ranks in (("targets", self.target_group, self.target_ranks),
+                                   ("drafters", self.drafter_group, self.drafter_ranks)):
+            if self.rank in ranks and self.backends.get(name) == "nccl":
+                if on_group is not None:
+                    on_group(f"connect {name}")
+                dist.all_reduce(x, group=group)
+        for (t, d), group in sorted(self.pair_groups.items()):
+            if self.rank in (t, d) and dist.get_backend(group) == "nccl":
+                if on_group is not None:
+                    on_group(f"connect pair {t}->{d}")
+                op = dist.isend if self.rank == t else dist.irecv
+                for w in dist.batch_isend_irecv([dist.P2POp(op, x, d if self.rank == t else t, group=group)]):
+                    w.wait()
+        torch.cuda.synchronize(device)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -180,7 +243,12 @@ class Topology:
 
     def describe(self) -> str:
         pairs = ", ".join(f"{t}->{list(ds)}" for t, ds in sorted(self.feeds.items()))
+        groups = ", ".join(f"{k} {v}" for k, v in self.backends.items() if not k.startswith("pair"))
         return (
             f"world={self.world_size} targets={list(self.target_ranks)} drafters={list(self.drafter_ranks)} "
-            f"pairs: {pairs}"
+            f"pairs: {pairs}" + (f"; groups: {groups}" if groups else "")
         )
+
+    def name(self, rank: int) -> str:
+        """How messages name a rank: "target rank 0", "drafter rank 3"."""
+        return f"{TARGET if rank in self.target_ranks else DRAFTER} rank {rank}"

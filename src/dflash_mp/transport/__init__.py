@@ -16,9 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from dflash_mp.topology import TARGET, Topology
 from dflash_mp.transport.base import Receiver, Sender, SlotSpec
 from dflash_mp.transport.p2p import P2PRecvChannel, P2PSendChannel
@@ -26,7 +23,7 @@ from dflash_mp.transport.shm import open_shm_channels, sweep_stale_segments
 
 __all__ = [
     "TransportConfig", "SlotSpec", "Sender", "Receiver",
-    "build_transport", "pair_kinds", "sweep_stale_segments",
+    "build_transport", "pair_kinds", "p2p_pairs", "sweep_stale_segments",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +56,12 @@ def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int]
     for t, ds in sorted(topology.feeds.items()):
         for d in ds:
             local = topology.same_node(t, d)
+            if cfg.kind == "p2p" and topology.gpus_per_node and topology.shares_gpu((t, d)):
+                raise ValueError(
+                    f"transport.kind=p2p, but target rank {t} and drafter rank {d} share GPU "
+                    f"{topology.gpu_of(t)[1]}: NCCL cannot connect two ranks on one device; "
+                    "use transport.kind=auto or shm"
+                )
             if cfg.kind == "shm" and not local:
                 raise ValueError(
                     f"transport.kind=shm, but target rank {t} and drafter rank {d} are on different nodes "
@@ -69,11 +72,18 @@ def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int]
     return kinds
 
 
-def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec) -> Sender | Receiver:
+def p2p_pairs(cfg: TransportConfig, topology: Topology) -> list[tuple[int, int]]:
+    """The pairs that talk point-to-point: `Topology.init_groups` gives each a group."""
+    return [p for p, k in sorted(pair_kinds(cfg, topology).items()) if k == "p2p"]
+
+
+def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, live=None) -> Sender | Receiver:
     """This rank's end of the transport: a Sender on target ranks, a Receiver on drafter ranks.
 
     Collective: call it on every rank at the same point, after `topology.init_groups()` (shm setup
-    talks over `topology.control_group`) and, on CUDA, after `torch.cuda.set_device`.
+    talks over `topology.control_group`) and, on CUDA, after `torch.cuda.set_device`. `live`: the
+    rank's liveness watcher; it then bounds every wait instead of `cfg.timeout_s` alone (a peer that
+    is busy compiling or loading is not a dead one).
     """
     kinds = pair_kinds(cfg, topology)
     if cfg.kind == "files":
@@ -88,17 +98,16 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec) ->
         shm_pairs = [p for p, k in kinds.items() if k == "shm"]
         if shm_pairs:
             shm = open_shm_channels(topology, spec, cfg.depth, cfg.timeout_s, shm_pairs, cfg.shm_cuda)
+            for peer, ch in shm.items():
+                ch.ring.live, ch.ring.peer_rank = live, peer
             channels.update(shm)
-        p2p_pairs = [p for p, k in kinds.items() if k == "p2p"]
-        if p2p_pairs and spec.device.type == "cuda":
-            # Batched NCCL p2p on a subset of ranks is only defined once the group's communicator
-            # exists; one tiny collective creates it on every rank now, not mid-run.
-            dist.all_reduce(torch.zeros(1, device=spec.device))
-        for t, d in p2p_pairs:
+        for t, d in (p for p, k in sorted(kinds.items()) if k == "p2p"):
+            # No pair group (tests that build groups by hand): the default group, as both ends agree.
+            group = topology.pair_groups.get((t, d))
             if me == t:
-                channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s)
+                channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s, group, live)
             elif me == d:
-                channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s)
+                channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s, group, live)
     except BaseException:
         for ch in channels.values():
             ch.close()

@@ -14,6 +14,7 @@ node) and p2p pairs.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,11 @@ def device_header_mismatch(header: torch.Tensor, expect_seq: int) -> torch.Tenso
     """0/1 on device: the header is not data message `expect_seq` (no host sync)."""
     bad = (header[H_MAGIC] != MAGIC) | (header[H_SEQ] != expect_seq)
     return bad | ((header[H_FLAGS] & FLAG_END_OF_DATA) != 0)
+
+
+def watching(live, peer: int, what: str, timeout_msg: str = ""):
+    """Tell the liveness watcher (if any) that this rank now waits on `peer` for `what`."""
+    return nullcontext() if live is None else live.waiting(peer, what, timeout_msg)
 
 
 def backoff_sleep(attempt: int) -> None:

@@ -1,4 +1,4 @@
-"""Point-to-point transport: `batch_isend_irecv` on the default group, any two ranks, any nodes.
+"""Point-to-point transport: `batch_isend_irecv` on a group of the pair's own, any two ranks, any nodes.
 
 One code path for NCCL (CUDA tensors) and gloo (CPU tensors). Per (target, drafter) pair:
 
@@ -21,7 +21,9 @@ Had the drafter issued r(D+i) before A_i as separate operations, its stream woul
 D+i while the target waits for ack i before sending it: a deadlock. Inside one batch the two run
 concurrently. All operations, even single ones, go through `batch_isend_irecv` because NCCL picks
 the communicator by call style (batched ops use the group's communicator, lone isend/irecv a private
-2-rank one) and both ends must use the same one. gloo has no streams and matches by (peer, tag):
+2-rank one) and both ends must use the same one. Each pair has a group of its own
+(`Topology.pair_groups`), hence an NCCL communicator and stream of its own: one pair's transfers never
+queue behind another pair's or behind a collective. gloo has no streams and matches by (peer, tag):
 data and acks use separate tags there; NCCL ignores tags.
 
 End of data: the target sends an end-of-data message, then `depth-1` fillers (also flagged), so
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from dflash_mp.batch import FLAG_END_OF_DATA, HiddenBatch
 from dflash_mp.transport.base import (
     RecvChannel,
+    watching,
     SendChannel,
     Slot,
     SlotSpec,
@@ -63,10 +66,18 @@ def _post(ops: list[dist.P2POp]) -> list:
     return dist.batch_isend_irecv(ops)
 
 
-def wait_works(works: list, device: torch.device, timeout_s: float, on_timeout: str, on_error: str) -> float:
-    """Wait for `works`; raise RuntimeError naming the peer on timeout or failure. Seconds waited."""
+def _op(fn, tensor: torch.Tensor, peer: int, group, tag: int) -> dist.P2POp:
+    return dist.P2POp(fn, tensor, peer, group=group, tag=tag)  # peer: global rank, also with a group
+
+
+def wait_works(works: list, device: torch.device, timeout_s: float, on_timeout: str, on_error: str,
+               watched: bool = False) -> float:
+    """Wait for `works`; raise RuntimeError naming the peer on timeout or failure. Seconds waited.
+
+    `watched`: a liveness watcher bounds this wait (it pauses the clock while any rank is busy
+    compiling or loading); the transport's own deadline then only guards against a lost watcher."""
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
+    deadline = t0 + (max(timeout_s, 1.0) * 1e4 if watched else timeout_s)
     try:
         if device.type == "cuda":
             for w in works:
@@ -91,8 +102,10 @@ def wait_works(works: list, device: torch.device, timeout_s: float, on_timeout: 
 
 
 class P2PSendChannel(SendChannel):
-    def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float):
+    def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float, group=None,
+                 live=None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.group, self.live = group, live
         dev = spec.device
         # One staging slot per credit: message j reuses slot j % depth only after ack j-depth.
         self._stage = new_slots(spec, depth)
@@ -105,11 +118,13 @@ class P2PSendChannel(SendChannel):
         self._end_seq: int | None = None
 
     def _wait(self, works: list, seq: int, waiting_for: str) -> float:
-        return wait_works(
-            works, self.spec.device, self.timeout_s,
-            no_credit_msg(self.rank, self.peer, self.timeout_s, seq, self.depth),
-            f"target rank {self.rank}: p2p with drafter rank {self.peer} failed ({waiting_for}, seq {seq})",
-        )
+        msg = no_credit_msg(self.rank, self.peer, self.timeout_s, seq, self.depth)
+        with watching(self.live, self.peer, f"{waiting_for} of batch {seq}", msg):
+            return wait_works(
+                works, self.spec.device, self.timeout_s, msg,
+                f"target rank {self.rank}: p2p with drafter rank {self.peer} failed ({waiting_for}, seq {seq})",
+                watched=self.live is not None,
+            )
 
     def _take_credit(self, seq: int) -> None:
         """Before message `seq`: receive the ack of seq-depth (see the module docstring for why here)."""
@@ -117,7 +132,7 @@ class P2PSendChannel(SendChannel):
             return
         k = seq - self.depth
         t0 = time.monotonic()
-        self._wait(_post([dist.P2POp(dist.irecv, self._ack, self.peer, tag=TAG_ACK)]), seq, "credit")
+        self._wait(_post([_op(dist.irecv, self._ack, self.peer, self.group, TAG_ACK)]), seq, "credit")
         if self._bad is None:
             if int(self._ack) != k:
                 got = int(self._ack)
@@ -137,7 +152,7 @@ class P2PSendChannel(SendChannel):
         pack_meta(slot.meta, batch, seq, flags)
         if batch is not None:  # the hidden part of end/filler messages is never read
             slot.hidden.copy_(batch.hidden)
-        self._pending[seq] = _post([dist.P2POp(dist.isend, slot.raw, self.peer, tag=TAG_DATA)])
+        self._pending[seq] = _post([_op(dist.isend, slot.raw, self.peer, self.group, TAG_DATA)])
         self._next = seq + 1
 
     def send(self, batch: HiddenBatch) -> None:
@@ -176,8 +191,10 @@ class P2PSendChannel(SendChannel):
 
 
 class P2PRecvChannel(RecvChannel):
-    def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float):
+    def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float, group=None,
+                 live=None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.group, self.live = group, live
         dev = spec.device
         self._slots = new_slots(spec, depth)
         # Ack i is filled when batch i+1 is taken; its buffer is reused for ack i+depth, by which time
@@ -191,7 +208,7 @@ class P2PRecvChannel(RecvChannel):
             self._works[seq] = _post(self._recv_ops(seq))
 
     def _recv_ops(self, seq: int) -> list[dist.P2POp]:
-        return [dist.P2POp(dist.irecv, self._slots[seq % self.depth].raw, self.peer, tag=TAG_DATA)]
+        return [_op(dist.irecv, self._slots[seq % self.depth].raw, self.peer, self.group, TAG_DATA)]
 
     def _take(self, seq: int) -> Slot:
         """Return the credit of seq-1 (reposting its slot), then wait until message seq has landed."""
@@ -199,17 +216,19 @@ class P2PRecvChannel(RecvChannel):
             prev = seq - 1
             ack = self._acks[prev % self.depth]
             ack.fill_(prev)
-            ops = [dist.P2POp(dist.isend, ack, self.peer, tag=TAG_ACK)] + self._recv_ops(prev + self.depth)
+            ops = [_op(dist.isend, ack, self.peer, self.group, TAG_ACK)] + self._recv_ops(prev + self.depth)
             self._works[prev + self.depth] = _post(ops)
         self.wait_s += self._wait(seq)
         return self._slots[seq % self.depth]
 
     def _wait(self, seq: int) -> float:
-        return wait_works(
-            self._works.pop(seq), self.spec.device, self.timeout_s,
-            no_data_msg(self.rank, self.peer, self.timeout_s, seq),
-            f"drafter rank {self.rank}: p2p with target rank {self.peer} failed (batch seq {seq})",
-        )
+        msg = no_data_msg(self.rank, self.peer, self.timeout_s, seq)
+        with watching(self.live, self.peer, f"batch {seq}", msg):
+            return wait_works(
+                self._works.pop(seq), self.spec.device, self.timeout_s, msg,
+                f"drafter rank {self.rank}: p2p with target rank {self.peer} failed (batch seq {seq})",
+                watched=self.live is not None,
+            )
 
     def _header(self, seq: int, slot: Slot) -> torch.Tensor:
         return slot.header  # on a GPU a sync: recv() checks on the device instead, expect_end() once

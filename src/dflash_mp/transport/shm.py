@@ -59,6 +59,7 @@ from dflash_mp.transport.base import (
     Slot,
     SlotSpec,
     backoff_sleep,
+    watching,
     carve_slots,
     check_batch,
     new_slots,
@@ -196,6 +197,7 @@ class _Ring:
         mine = (W_PRODUCER_STATE, W_PRODUCER_BEAT) if producer else (W_CONSUMER_STATE, W_CONSUMER_BEAT)
         theirs = (W_CONSUMER_STATE, W_CONSUMER_BEAT) if producer else (W_PRODUCER_STATE, W_PRODUCER_BEAT)
         (self._state, self._beat), (self._peer_state, self._peer_beat) = mine, theirs
+        self.live, self.peer_rank = None, None  # set by build_transport where a watcher bounds waits
         self.set_state(OPEN)
 
     def beat(self) -> None:
@@ -215,10 +217,15 @@ class _Ring:
             pid = self.peer_pid
             raise RuntimeError(f"{self.me}: {self.peer} (pid {pid}) died; last heard of {age:.1f} s ago")
 
-    def wait(self, ready, timeout_msg: str) -> float:
-        """Block until ready(); seconds waited. Raises if the peer dies, closes, or stays silent."""
+    def wait(self, ready, timeout_msg: str, what: str = "data") -> float:
+        """Block until ready(); seconds waited. Raises if the peer dies, closes, or stays silent
+        (for `timeout_s`, or as the liveness watcher decides where there is one)."""
         if ready():
             return 0.0
+        with watching(self.live, self.peer_rank, what, timeout_msg):
+            return self._wait(ready, timeout_msg)
+
+    def _wait(self, ready, timeout_msg: str) -> float:
         t0 = time.monotonic()
         next_check, attempt = t0, 0
         while not ready():
@@ -230,7 +237,7 @@ class _Ring:
                     if ready():  # it did its part just before it closed or exited
                         break
                     raise
-                if now - t0 >= self.timeout_s:
+                if self.live is None and now - t0 >= self.timeout_s:
                     raise RuntimeError(timeout_msg)
                 next_check = now + LIVENESS_PERIOD_S
             backoff_sleep(attempt)
@@ -295,7 +302,7 @@ class ShmSendChannel(SendChannel):
         seq, i, w = self._next, self._next % self.depth, self.ring.w
         self._publish_ready()  # before blocking on credit: the drafter may be waiting for these
         msg = no_credit_msg(self.rank, self.peer, self.timeout_s, seq, self.depth)
-        self.stall_s += self.ring.wait(lambda: seq - w[W_TAIL] < self.depth, msg)
+        self.stall_s += self.ring.wait(lambda: seq - w[W_TAIL] < self.depth, msg, f"credit for batch {seq}")
         slot = self._slots[i]
         if self.mode == "pinned":
             pack_meta(self._stage[i], batch, seq, flags)
@@ -329,7 +336,7 @@ class ShmSendChannel(SendChannel):
         end = self._next
         who = f"target rank {self.rank}: drafter rank {self.peer}"
         msg = f"{who} did not take end-of-data in {self.timeout_s:.0f} s"
-        self.ring.wait(lambda: self.ring.w[W_TAIL] >= end, msg)
+        self.ring.wait(lambda: self.ring.w[W_TAIL] >= end, msg, "end-of-data to be taken")
         self._drained = True
 
     def in_flight(self) -> int:
@@ -379,7 +386,7 @@ class ShmRecvChannel(RecvChannel):
         if seq >= 1:
             self._release(seq)
         msg = no_data_msg(self.rank, self.peer, self.timeout_s, seq)
-        self.wait_s += self.ring.wait(lambda: self.ring.w[W_HEAD] > seq, msg)
+        self.wait_s += self.ring.wait(lambda: self.ring.w[W_HEAD] > seq, msg, f"batch {seq}")
         i = seq % self.depth
         src, dst = self._remote[i], self._local[i]
         if self.mode == "ipc":
