@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from .checkpoint import CheckpointConfig
 from .data import DataConfig
+from .liveness import LivenessConfig
 from .metrics import LoggingConfig
 from .target import TargetConfig
 from .topology import TopologyConfig
@@ -30,6 +31,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
 
 
 def register() -> None:

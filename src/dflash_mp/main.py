@@ -6,10 +6,12 @@ topology's groups -> run this rank's role -> always tear down.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import sys
+import time
 
 import hydra
 import torch
@@ -19,8 +21,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
 from .config import CONF_DIR, JobConfig, register, to_job
+from .liveness import Liveness, peer_error
 from .resilience import StopSignal, effective_resume, fail_fast, restart_count
 from .topology import Topology
+from .transport import p2p_pairs
 
 log = logging.getLogger("dflash_mp")
 
@@ -39,8 +43,9 @@ def pick_device(local_rank: int) -> torch.device:
 
 
 def resolve_backend(name: str, device: torch.device, local_world: int, transport_kind: str = "auto") -> str:
-    """nccl when every rank owns a GPU; gloo on CPU and when ranks share GPUs (NCCL cannot pair
-    two ranks on one device: such runs move hidden states over the shm ring)."""
+    """The default group's backend: nccl when every rank owns a GPU; gloo on CPU and when ranks
+    share GPUs (NCCL cannot pair two ranks on one device: such runs move hidden states over the shm
+    ring). Each group then gets the fastest backend its own members allow (`Topology.backend_for`)."""
     shared = device.type == "cuda" and local_world > torch.cuda.device_count()
     if shared and transport_kind == "p2p":
         raise ValueError(f"transport.kind=p2p with {local_world} ranks on {torch.cuda.device_count()} GPU(s): "
@@ -48,8 +53,8 @@ def resolve_backend(name: str, device: torch.device, local_world: int, transport
                          "use transport.kind=auto or shm.")
     if name == "auto":
         if shared:
-            log.info("%d ranks share %d GPU(s): gloo process groups, shm transport",
-                     local_world, torch.cuda.device_count())
+            log.info("%d ranks share %d GPU(s): shm transport; NCCL only for groups whose members own "
+                     "distinct GPUs", local_world, torch.cuda.device_count())
         return "nccl" if device.type == "cuda" and not shared else "gloo"
     if name == "nccl" and shared:
         raise ValueError(f"topology.backend=nccl with {local_world} ranks on {torch.cuda.device_count()} GPU(s): "
@@ -109,6 +114,31 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"dflash_attempt_{restart_count()}", store)
 
 
+def watcher_store(timeout: datetime.timedelta):
+    """A connection of the liveness watcher's own to the same store (a client, never the server):
+    a main thread blocked in a store wait must not hold up the heartbeats."""
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"dflash_live_{restart_count()}", client)
+
+
+def init_distributed(job: JobConfig, topo: Topology, device: torch.device, backend: str, live) -> None:
+    """Default group, every process group of the topology, and their NCCL communicators.
+
+    The default group is never bound to a device (`device_id`): see `Topology.init_groups`."""
+    rank, world = topo.rank, topo.world_size
+    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    live.phase("starting", "init_process_group")
+    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
+                            world_size=world, timeout=timeout)
+    groups = "auto" if job.topology.backend == "auto" and device.type == "cuda" else backend
+    t0 = time.monotonic()
+    topo.init_groups(groups, timeout, p2p_pairs(job.transport, topo), on_group=lambda d: live.phase("starting", d))
+    topo.connect(device, on_group=lambda d: live.phase("starting", d))
+    log.info("process groups and communicators ready in %.1f s", time.monotonic() - t0)
+
+
 def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     from .roles import RunContext, run_drafter, run_target
     from .target import resolve_dtype
@@ -125,6 +155,8 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
     backend = resolve_backend(job.topology.backend, device, local_world, job.transport.kind)
+    topo = dataclasses.replace(topo, gpus_per_node=torch.cuda.device_count() if device.type == "cuda" else 0)
+    p2p_pairs(job.transport, topo)  # a transport the placement cannot carry fails before any group
 
     target_path, tokenizer, target_config, layer_ids, mask_id = prepare(job)
     dtype = resolve_dtype(job.target.dtype, device)
@@ -136,28 +168,32 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     ckpt.validate_resume(resume, job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints"),
                          topo.drafter_ranks, world)  # a missing or torn checkpoint fails before any group
 
-    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
-                            world_size=world, timeout=timeout,
-                            # device_id binds NCCL eagerly; with gloo it would make new_group split a
-                            # gloo group, which torch 2.11 cannot (perform_nocolor_split)
-                            **({"device_id": device} if backend == "nccl" else {}))
+    names = {r: topo.name(r) for r in range(world)}
+    live = Liveness(watcher_store(datetime.timedelta(seconds=60)), rank, world, names, job.liveness,
+                    job.transport.timeout_s).start()
     try:
-        topo.init_groups(backend, timeout)
+        init_distributed(job, topo, device, backend, live)
         if rank == 0:
             log.info("topology: %s; backend %s; layers %s; mask token %d", topo.describe(), backend, layer_ids, mask_id)
             os.makedirs(job.run_dir, exist_ok=True)
             if raw is not None:
                 with open(os.path.join(job.run_dir, "config.yaml"), "w") as f:
                     f.write(OmegaConf.to_yaml(raw, resolve=True))
-        ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype)
+        ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype,
+                         live=live)
         ctx.stop = stop
         (run_target if topo.role == "target" else run_drafter)(ctx)
+        live.done()
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
+        if peer_error(e):
+            # A peer's death is often seen first as a closed connection: give the watcher the
+            # time to name the rank at fault (it ends the process then).
+            live.settle()
+        live.failed(f"{type(e).__name__}: {e}")
         fail_fast(e, topo.role, rank)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 register()

@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -141,8 +142,9 @@ class StopSignal:
 class StopAgreement:
     """Agree on a stop step over the control group (see the module docstring for the protocol)."""
 
-    def __init__(self, stop: StopSignal | None, group, every: int, start: int, num_steps: int):
+    def __init__(self, stop: StopSignal | None, group, every: int, start: int, num_steps: int, live=None):
         self.stop, self.group, self.every = stop, group, max(1, every)
+        self.live = live  # liveness watcher: bounds the blocking waits below (-1: every rank)
         self.start, self.num_steps = start, num_steps
         self.flag = torch.zeros(1, dtype=torch.int32)
         self.pending = None
@@ -160,7 +162,8 @@ class StopAgreement:
             return True
         if self._is_check(done):
             self.flag.fill_(self._local())
-            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+            with self._watch(done):
+                dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
             if int(self.flag) and self.stop_at is None:
                 self.stop_at = min(done + self.every, self.num_steps)
                 log.warning("stop agreed: the job stops after step %d", self.stop_at)
@@ -180,13 +183,20 @@ class StopAgreement:
     def _wait(self) -> bool:
         if self.pending is None:
             return False
-        self.pending.wait()
+        with self._watch(None):
+            self.pending.wait()
         self.pending = None
         return bool(int(self.flag))
 
     def finish(self) -> None:
         """Target, after its loop: complete the check still in flight (its drafters are joining it)."""
         self._wait()
+
+    def _watch(self, step):
+        if self.live is None:
+            return contextlib.nullcontext()
+        at = "" if step is None else f" after step {step}"
+        return self.live.waiting(-1, f"the stop agreement{at}")
 
 
 # ------------------------------------------------------------------------------------ data tally

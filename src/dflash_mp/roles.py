@@ -20,6 +20,7 @@ from . import checkpoint as ckpt
 from .config import JobConfig
 from .flops import DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops, target_forward_flops
 from .compile_stats import counts as compile_counts
+from .liveness import NullLiveness, process_age_s
 from .metrics import Progress, make_writer, reduce_scalars
 from .resilience import DataTally, StopAgreement, effective_resume, fault_from_env, maybe_fault
 from .topology import Topology
@@ -34,7 +35,8 @@ class RunContext:
     """What both roles need, resolved once in main before any model loads."""
 
     def __init__(self, job: JobConfig, topo: Topology, device: torch.device, target_path: str,
-                 target_config: dict, layer_ids: list[int], mask_token_id: int, tokenizer, dtype: torch.dtype):
+                 target_config: dict, layer_ids: list[int], mask_token_id: int, tokenizer, dtype: torch.dtype,
+                 live=None):
         self.job, self.topo, self.device = job, topo, device
         self.target_path, self.target_config = target_path, target_config
         self.layer_ids, self.mask_token_id = layer_ids, mask_token_id
@@ -42,6 +44,8 @@ class RunContext:
         self.ckpt_root = job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints")
         self.graphs_after_warmup = 0
         self.stop = None  # resilience.StopSignal: SIGTERM -> checkpoint and a clean exit
+        self.watcher = live  # liveness.Liveness where one runs: it bounds every wait on a peer
+        self.live = live or NullLiveness()  # this rank's phase, for the watchers of every rank
 
     @property
     def slot_spec(self) -> SlotSpec:
@@ -82,14 +86,17 @@ def run_target(ctx: RunContext) -> None:
     from .data import build_stream
     from .target import TargetWorker
 
-    job, topo = ctx.job, ctx.topo
+    job, topo, live = ctx.job, ctx.topo, ctx.live
+    live.phase("starting", "tokenizing data")
     stream = build_stream(job.data, ctx.tokenizer, topo.role_rank, topo.role_size,
                           vocab_limit=ctx.target_config["vocab_size"])
     num_steps = agree_num_steps(ctx, stream.batches_per_epoch(0))
     start, _ = resume_step(ctx)
     seek(stream, topo.num_sends(topo.rank, start))
+    live.phase("loading", "target weights")
     worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                job.target.attn_implementation, job.target.compile)
+    live.phase("starting", "transport")
     tc = ctx.target_config
     fwd_flops = lambda pb: target_forward_flops(  # noqa: E731
         tc["hidden_size"], tc["intermediate_size"], max(ctx.layer_ids) + 1, tc["num_attention_heads"],
@@ -97,14 +104,14 @@ def run_target(ctx: RunContext) -> None:
         tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"], pb.seq_len,
         causal_pairs_packed(torch.bincount(pb.doc_ids[pb.doc_ids >= 0]).tolist()))
     with ExitStack() as stack:
-        sender = build_transport(job.transport, topo, ctx.slot_spec)
+        sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.watcher)
         stack.callback(sender.close)
         writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"))
         stack.callback(writer.close)
         writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
         it = iter(stream)
         fault = fault_from_env()
-        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
+        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps, ctx.watcher)
         skipped = {k.split("/", 1)[1]: v for k, v in stream.stats().items() if k.startswith("skipped/")}
         t0, tokens, flops, docs, last = time.perf_counter(), 0, 0.0, 0, start
         end = num_steps
@@ -112,11 +119,20 @@ def run_target(ctx: RunContext) -> None:
             if agree.target_before(step):
                 end = step
                 break
+            live.step(step)
+            live.phase("training")
             maybe_fault(fault, topo.rank, step, "kill")
             maybe_fault(fault, topo.rank, step, "hang")
             for dst in topo.sends_at_step(topo.rank, step):
                 pb = next(it)
-                hb = worker.forward(pb)
+                if step == start and tokens == 0:  # the first forward compiles: busy, not silent
+                    with live.during("compiling", "target forward"):
+                        hb = worker.forward(pb)
+                    startup_s = process_age_s()
+                    log.info("first target forward done %.1f s after the process started", startup_s)
+                    writer.add_scalar("time/startup_s", startup_s, step + 1)
+                else:
+                    hb = worker.forward(pb)
                 sender.send(dst, hb)
                 tokens += pb.num_valid_tokens
                 docs += pb.num_docs
@@ -186,8 +202,9 @@ def build_trainer(ctx: RunContext, num_steps: int):
 def run_drafter(ctx: RunContext) -> None:
     from .export import export_drafter
 
-    job, topo = ctx.job, ctx.topo
+    job, topo, live = ctx.job, ctx.topo, ctx.live
     num_steps = agree_num_steps(ctx, 0)
+    live.phase("loading", "drafter and the target's head")
     trainer, args = build_trainer(ctx, num_steps)
     start, path = resume_step(ctx)
     if path is not None:
@@ -198,7 +215,8 @@ def run_drafter(ctx: RunContext) -> None:
                          args.num_kv_heads, args.head_dim, args.vocab_size, args.num_target_layers)
     step_flops = drafter_matmul_flops(shape, job.data.seq_len, job.drafter.num_anchors, args.block_size)
     with ExitStack() as stack:
-        receiver = build_transport(job.transport, topo, ctx.slot_spec)
+        live.phase("starting", "transport")
+        receiver = build_transport(job.transport, topo, ctx.slot_spec, ctx.watcher)
         stack.callback(receiver.close)
         if hasattr(receiver, "seek"):  # files: no target to re-position, the reader seeks itself
             receiver.seek(start)
@@ -212,10 +230,12 @@ def run_drafter(ctx: RunContext) -> None:
         ctx.graphs_after_warmup = compile_counts()["graphs"]  # also starts counting CUDA graph recordings
         t0, wait_s, last_logged, log_ms = time.perf_counter(), 0.0, start, None
         fault = fault_from_env()
-        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps)
+        agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps, ctx.watcher)
         tally = DataTally(ctx.device)
         end = num_steps
         for step in range(start, num_steps):
+            live.step(step)
+            live.phase("training")
             maybe_fault(fault, topo.rank, step, "kill")
             maybe_fault(fault, topo.rank, step, "hang")
             tw = time.perf_counter()
@@ -224,7 +244,17 @@ def run_drafter(ctx: RunContext) -> None:
             tally.add(hb)
             done = step + 1
             logs = done % job.logging.log_every == 0 or done == num_steps
-            lr = trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
+            if done - start <= WARMUP_STEPS:  # compiles, autotunes, records graphs: busy, not silent
+                with live.during("compiling", "drafter step"):
+                    if done == start + 1:
+                        slow_compile_for_tests()
+                    lr = trainer.train_step(hb, timed=logs)
+                if done == start + 1:
+                    startup_s = process_age_s()
+                    log.info("first drafter step done %.1f s after the process started", startup_s)
+                    writer.add_scalar("time/startup_s", startup_s, done)
+            else:
+                lr = trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
             if done - start <= WARMUP_STEPS:  # first forward/backward compile; graphs record on the next calls
                 ctx.graphs_after_warmup = compile_counts()["graphs"]
             if logs:
@@ -239,12 +269,15 @@ def run_drafter(ctx: RunContext) -> None:
                 end = done
                 break
             if job.checkpoint.every and done % job.checkpoint.every == 0 and done < num_steps:
-                save_checkpoint(ctx, trainer, done, num_steps, fault)
+                with live.during("checkpointing", f"step {done}"):
+                    save_checkpoint(ctx, trainer, done, num_steps, fault)
+        live.phase("training", "end of data")
         for src in topo.sources[topo.rank]:
             receiver.expect_end(src)
         c = compile_counts()
         log.info("compile: %d graphs, %d recompiles after warm-up, %d CUDA graph recordings (mode %s)",
                  c["graphs"], c["graphs"] - ctx.graphs_after_warmup, c["cudagraph_records"], trainer.mode)
+        live.phase("checkpointing", f"step {end}")
         save_checkpoint(ctx, trainer, end, num_steps, fault)
         if end < num_steps:
             log.warning("stopped at step %d of %d (SIGTERM) with a checkpoint; continue with "
@@ -255,6 +288,15 @@ def run_drafter(ctx: RunContext) -> None:
             export_drafter(trainer.objective.drafter, args, out, ctx.target_config,
                            state=trainer.master_state_dict())
             log.info("exported drafter to %s", out)
+
+
+def slow_compile_for_tests() -> None:
+    """DFLASH_MP_SLOW_COMPILE_S=<s>: the first drafter step takes <s> seconds longer, as a cold
+    compile on a fresh node does (tests of the liveness rules)."""
+    delay = float(os.environ.get("DFLASH_MP_SLOW_COMPILE_S", "0") or 0)
+    if delay > 0:
+        log.warning("test hook: first step held for %.0f s (DFLASH_MP_SLOW_COMPILE_S)", delay)
+        time.sleep(delay)
 
 
 def receiver_verify(receiver) -> None:

@@ -1,0 +1,325 @@
+"""Busy is not dead: every rank publishes a heartbeat with its phase, and every rank watches all others.
+
+A daemon thread per rank writes a beat to the job's store once per `interval_s`: a counter, the
+phase the rank is in (`starting`, `loading`, `compiling`, `training`, `checkpointing`, `done`, ...),
+how long it has been in it, and what its main thread is blocked on. The same thread reads every
+other rank's beat (one `multi_get`) and ends the process, naming the rank at fault, when
+
+* a rank's counter has not moved for `stale_s` (observer's clock: works across nodes): dead or
+  frozen (SIGKILL, SIGSTOP, a lost node);
+* a rank has been in a bounded phase longer than its bound (loading, compiling, checkpointing,
+  evaluating, starting each have one): stuck while alive;
+* a rank reported that it failed (its reason is quoted, so the root cause reaches every survivor);
+* this rank's main thread has waited on a peer for data or credit for `wait_s` counted only while
+  no rank of the job was in a busy phase: a drafter compiling for minutes pauses every data wait,
+  a peer that is merely slow does not.
+
+The thread runs on its own store connection, so a main thread blocked inside a store wait (group
+creation) or a C++ collective (gloo) cannot hold it up, and it `os._exit`s, which works however the
+main thread is stuck. Transports and collectives keep their own deadlines only where no watcher
+exists (unit tests that build channels directly).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+BUSY = ("starting", "loading", "compiling", "checkpointing", "evaluating")
+DONE, FAILED = "done", "failed"
+
+
+@dataclass
+class LivenessConfig:
+    # Seconds between two beats of a rank; 0 = auto: min(1, stale/6).
+    interval_s: float = 0.0
+    # A rank whose beat has not moved this long is dead or frozen. 0 = auto: transport.timeout_s.
+    stale_s: float = 0.0
+    # Bounds of the busy phases (seconds): a rank longer in one is stuck. Sized for a 27B target on a
+    # cold node: weights from network storage, a cold Inductor compile of every graph.
+    starting_s: float = 900.0  # process groups, transport set-up, data tokenizing
+    loading_s: float = 3600.0  # target weights, the drafter's frozen head
+    compiling_s: float = 2400.0  # first steps of a role: torch.compile, autotuning, CUDA graph capture
+    checkpointing_s: float = 1800.0
+    evaluating_s: float = 3600.0
+
+
+_HOST = socket.gethostname()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter and imports included), from /proc where
+    there is one."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+def peer_error(e: BaseException) -> bool:
+    """Does this error look like a peer's end seen from here (rather than a fault of this rank)?"""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(s in text for s in (
+        "Connection closed", "Connection reset", "closed its channel", "stopped early", "died",
+        "no data from", "no credit from", "Broken pipe", "p2p with"))
+
+
+def _exit(code: int) -> None:
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
+
+
+class Liveness:
+    """This rank's heartbeat and watcher. `names[r]` is how rank r is named in messages."""
+
+    def __init__(self, store, rank: int, world_size: int, names: dict[int, str], cfg: LivenessConfig,
+                 wait_s: float, exit_fn=_exit):
+        self.store, self.rank, self.world = store, rank, world_size
+        self.names = names
+        self.stale_s = cfg.stale_s or wait_s
+        self.interval_s = cfg.interval_s or min(1.0, self.stale_s / 6)
+        self.bounds = {p: getattr(cfg, f"{p}_s") for p in BUSY}
+        self.wait_s = wait_s
+        self._exit = exit_fn
+        self._lock = threading.Lock()
+        self._phase, self._detail, self._since = "starting", "", time.monotonic()
+        self._step = -1
+        self._wait: dict | None = None  # {"peer", "what", "since", "quiet"}: the main thread's wait
+        self._reason = ""
+        self._count = 0
+        self._seen: dict[int, tuple[int, float, int]] = {}  # rank -> (count, when it changed, my ticks)
+        self._ticks = 0
+        self._present: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------------------- main thread
+    def start(self) -> "Liveness":
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="dflash-liveness", daemon=True)
+        self._thread.start()
+        return self
+
+    def phase(self, name: str, detail: str = "") -> None:
+        """Enter a phase; a bounded one (see BUSY) starts its clock now."""
+        with self._lock:
+            if (name, detail) != (self._phase, self._detail):
+                self._phase, self._detail, self._since = name, detail, time.monotonic()
+
+    @contextmanager
+    def during(self, name: str, detail: str = ""):
+        """A busy phase around a block, then back to the phase before it."""
+        prev = (self._phase, self._detail)
+        self.phase(name, detail)
+        try:
+            yield
+        finally:
+            self.phase(*prev)
+
+    def step(self, step: int) -> None:
+        self._step = step
+
+    @contextmanager
+    def waiting(self, peer: int, what: str, timeout_msg: str = ""):
+        """The main thread is blocked on `peer` for `what` (e.g. "batch 3"); `timeout_msg` is the
+        error when that wait outlives `wait_s` of quiet time."""
+        with self._lock:
+            self._wait = {"peer": peer, "what": what, "since": time.monotonic(), "quiet": 0.0,
+                          "msg": timeout_msg}
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._wait = None
+
+    def done(self) -> None:
+        self._stop.set()
+        self.phase(DONE)
+        self._beat()
+
+    def settle(self) -> None:
+        """After a peer-related error on the main thread: wait long enough for the watcher to see
+        a dead peer's beat go stale; it names that rank and exits the process if it does."""
+        deadline = time.monotonic() + self.stale_s + 3 * self.interval_s
+        while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            time.sleep(self.interval_s / 2)
+
+    def failed(self, reason: str) -> None:
+        """Tell every peer why this rank is about to exit (they quote it)."""
+        self._stop.set()
+        with self._lock:
+            self._phase, self._reason = FAILED, reason[:400]
+        try:
+            self._beat()
+        except Exception:  # noqa: BLE001 - the store may be gone with the agent
+            pass
+
+    # ----------------------------------------------------------------------------- the thread
+    def _payload(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            w = self._wait
+            return {"n": self._count, "host": _HOST, "pid": os.getpid(), "phase": self._phase, "detail": self._detail,
+                    "age": round(now - self._since, 1), "step": self._step, "reason": self._reason,
+                    "wait": None if w is None else {"peer": w["peer"], "what": w["what"],
+                                                    "for": round(now - w["since"], 1)}}
+
+    def _beat(self) -> None:
+        self._count += 1
+        self.store.set(f"hb/{self.rank}", json.dumps(self._payload()))
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+                beats = self._read()
+            except Exception as e:  # noqa: BLE001 - the store is gone: the agent is tearing down
+                log.debug("liveness: store unreachable (%s)", e)
+                continue
+            now = time.monotonic()
+            problem = self.check(beats, now, now - last)
+            last = now
+            if problem and not self._stop.is_set():
+                self._fatal(problem)
+
+    def _read(self) -> dict[int, dict | None]:
+        """Every rank's last beat (None: not started yet). A rank's key, once written, stays."""
+        for r in range(self.world):
+            if r not in self._present and self.store.check([f"hb/{r}"]):
+                self._present.add(r)
+        ranks = sorted(self._present)
+        vals = self.store.multi_get([f"hb/{r}" for r in ranks]) if ranks else []
+        beats: dict[int, dict | None] = dict.fromkeys(range(self.world))
+        beats.update({r: json.loads(bytes(v).decode()) for r, v in zip(ranks, vals)})
+        return beats
+
+    def describe(self, r: int, b: dict) -> str:
+        what = b["phase"] + (f" ({b['detail']})" if b.get("detail") else "")
+        step = f", step {b['step']}" if b.get("step", -1) >= 0 else ""
+        return f"{self.names.get(r, f'rank {r}')} [{what} for {b['age']:.0f} s{step}]"
+
+    def check(self, beats: dict[int, dict | None], now: float, dt: float) -> str | None:
+        """The first reason to end the job seen in `beats`, or None. Pure but for the staleness
+        bookkeeping, so tests can drive it with made-up beats."""
+        self._ticks += 1
+        busy = False
+        for r, b in beats.items():
+            if r == self.rank:
+                b = self._payload()
+            elif b is None:  # not started yet: torchrun started it, so it joins within `starting_s`
+                seen = self._seen.setdefault(r, (-1, now, self._ticks))
+                if now - seen[1] > self.bounds["starting"]:
+                    return f"{self.names.get(r, f'rank {r}')} never started its heartbeat in {now - seen[1]:.0f} s"
+                busy = True
+                continue
+            name = self.names.get(r, f"rank {r}")
+            if b["phase"] == FAILED:  # its reason starts with its own name
+                return b.get("reason") or f"{name} failed (see its log)"
+            if b["phase"] == DONE:
+                continue
+            if r != self.rank:
+                if b.get("host") == _HOST and not _pid_alive(b.get("pid", 0)):
+                    return f"{self.describe(r, b)} died (pid {b['pid']} is gone)"
+                count, since, ticks = self._seen.get(r, (None, now, self._ticks))
+                if count != b["n"]:
+                    self._seen[r] = (b["n"], now, self._ticks)
+                elif now - since > self.stale_s and self._ticks - ticks >= 3:
+                    return (f"{self.describe(r, b)} has not beaten for {now - since:.0f} s "
+                            f"(liveness bound {self.stale_s:.0f} s): dead or frozen")
+            bound = self.bounds.get(b["phase"])
+            if bound is not None:
+                busy = True
+                if b["age"] > bound:
+                    return (f"{self.describe(r, b)} is stuck: over liveness.{b['phase']}_s={bound:.0f}; "
+                            f"raise it if that phase is legitimately slower")
+        with self._lock:
+            w = self._wait
+            if w is not None and not busy:
+                w["quiet"] += dt
+            if w is not None and busy and not w.get("noted") and now - w["since"] > self.wait_s:
+                w["noted"] = True  # once per wait: why a long wait is not an error
+                who = [self.describe(r, b) for r, b in beats.items()
+                       if b is not None and r != self.rank and b["phase"] in self.bounds]
+                log.info("%s: waiting %.0f s for %s from %s; not an error while busy: %s",
+                         self.names.get(self.rank), now - w["since"], w["what"],
+                         self.names.get(w["peer"], "every rank"), "; ".join(who) or "starting peers")
+            if w is not None and w["quiet"] > self.wait_s:
+                peer = w["peer"]
+                if peer < 0:  # a collective of every rank: name the ranks furthest behind
+                    live = {r: b for r, b in beats.items() if b is not None and b["phase"] != DONE}
+                    low = min((b["step"] for b in live.values()), default=-1)
+                    state = "; ".join(self.describe(r, b) for r, b in live.items() if b["step"] == low)
+                    return (f"{self.names.get(self.rank)} waited {w['quiet']:.0f} s for {w['what']}; "
+                            f"furthest behind: {state} (transport.timeout_s={self.wait_s:.0f})")
+                pb = beats.get(peer)
+                state = self.describe(peer, pb) if pb else self.names.get(peer, f"rank {peer}")
+                head = w["msg"] or f"waited {w['quiet']:.0f} s for {w['what']} from {self.names.get(peer)}"
+                return f"{head}; it is alive: {state} (transport.timeout_s={self.wait_s:.0f})"
+        return None
+
+    def _fatal(self, problem: str) -> None:
+        me = self.names.get(self.rank, f"rank {self.rank}")
+        log.error("%s failed: %s", me, problem)
+        self.failed(f"{me} failed: {problem}")
+        self._exit(1)
+
+
+class NullLiveness:
+    """Where no watcher runs (tests that build one role's parts directly)."""
+
+    def phase(self, name: str, detail: str = "") -> None:
+        pass
+
+    @contextmanager
+    def during(self, name: str, detail: str = ""):
+        yield
+
+    def step(self, step: int) -> None:
+        pass
+
+    @contextmanager
+    def waiting(self, peer: int, what: str, timeout_msg: str = ""):
+        yield
+
+    def done(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def failed(self, reason: str) -> None:
+        pass
+
+

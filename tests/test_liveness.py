@@ -1,0 +1,150 @@
+"""Busy is not dead: a peer that compiles for longer than transport.timeout_s is waited for; a frozen,
+dead or stuck peer ends every rank within its bound, named by every survivor."""
+
+import glob
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from dflash_mp.liveness import DONE, FAILED, Liveness, LivenessConfig
+from dflash_mp.transport.shm import PREFIX
+
+from e2e_utils import SMALL
+from resilience_utils import finish, start, worker_pids
+
+NAMES = {0: "target rank 0", 1: "drafter rank 1", 2: "drafter rank 2"}
+
+
+class DictStore:
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v
+
+
+def beat(n, phase="training", age=1.0, step=5, wait=None, reason="", pid=None, host="elsewhere"):
+    return {"n": n, "host": host, "pid": pid or 1, "phase": phase, "detail": "", "age": age, "step": step,
+            "reason": reason, "wait": wait}
+
+
+def watcher(stale=6.0, wait=6.0, **bounds):
+    return Liveness(DictStore(), 1, 3, NAMES, LivenessConfig(stale_s=stale, **bounds), wait_s=wait,
+                    exit_fn=lambda code: None)
+
+
+# ------------------------------------------------------------------------------ fast: the rules
+def test_a_beat_that_stops_moving_is_dead_after_the_stale_bound_and_named():
+    w = watcher(stale=6.0)
+    t = 100.0
+    for i in range(8):  # rank 0 stops beating at n=3; rank 2 keeps going
+        assert w.check({0: beat(min(i, 3)), 1: None, 2: beat(i)}, t + i, 1.0) is None
+    problem = w.check({0: beat(3), 1: None, 2: beat(9)}, t + 10.2, 1.0)
+    assert problem.startswith("target rank 0 [training for 1 s, step 5] has not beaten for 7 s"), problem
+    assert "dead or frozen" in problem
+
+
+def test_a_peer_in_a_busy_phase_over_its_bound_is_stuck_and_the_setting_is_named():
+    w = watcher(compiling_s=300.0)
+    assert w.check({0: beat(1, "compiling", age=299), 1: None, 2: beat(1)}, 0.0, 1.0) is None
+    problem = w.check({0: beat(2, "compiling", age=301), 1: None, 2: beat(2)}, 1.0, 1.0)
+    assert "target rank 0 [compiling for 301 s" in problem and "liveness.compiling_s=300" in problem
+
+
+def test_a_failed_peer_is_quoted_and_a_finished_one_is_never_stale():
+    w = watcher(stale=2.0)
+    reason = "drafter rank 2 failed: RuntimeError: boom"
+    assert w.check({0: beat(1, DONE), 1: None, 2: beat(1, FAILED, reason=reason)}, 0.0, 1.0) == reason
+    w = watcher(stale=2.0)
+    for i in range(10):  # a done rank stops beating: fine
+        assert w.check({0: beat(1, DONE), 1: None, 2: beat(i)}, float(i), 1.0) is None
+
+
+def test_a_dead_pid_on_this_host_is_named_at_once():
+    import socket
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    w = watcher()
+    problem = w.check({0: beat(1, pid=p.pid, host=socket.gethostname()), 1: None, 2: beat(1)}, 0.0, 1.0)
+    assert problem and problem.startswith("target rank 0") and f"died (pid {p.pid} is gone)" in problem
+
+
+def test_a_wait_times_out_only_over_quiet_time_and_says_why_it_waited(caplog):
+    w = watcher(wait=6.0)
+    w.phase("training")
+    with w.waiting(0, "batch 3", "no data from target rank 0 for 6 s (drafter rank 1 waiting for batch 3)"):
+        t = time.monotonic()  # the wait started now; the checks below pretend i seconds passed
+        with caplog.at_level(logging.INFO, logger="dflash_mp.liveness"):
+            for i in range(20):  # rank 2 compiles for 20 s: the wait's clock stands still
+                assert w.check({0: beat(i), 1: None, 2: beat(i, "compiling", age=i)}, t + i, 1.0) is None
+        assert "not an error while busy: drafter rank 2 [compiling" in caplog.text
+        for i in range(20, 26):
+            assert w.check({0: beat(i), 1: None, 2: beat(i)}, t + i, 1.0) is None
+        problem = w.check({0: beat(26), 1: None, 2: beat(26)}, t + 26, 1.0)
+    assert problem.startswith("no data from target rank 0 for 6 s"), problem
+    assert "it is alive: target rank 0 [training" in problem
+
+
+# ------------------------------------------------------------------------ slow: real torchrun jobs
+LIVE = SMALL + ["train.max_steps=8", "transport.timeout_s=5", "topology.timeout_s=300", "train.stop_grace_s=5",
+                "topology.num_target_ranks=1", "checkpoint.every=0"]
+
+
+@pytest.mark.slow
+def test_a_drafter_compiling_three_times_the_timeout_is_busy_not_dead(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MP_SLOW_COMPILE_S", "15")  # 3 x transport.timeout_s
+    rc, out, _ = finish(start(3, LIVE + [f"run_dir={tmp_path}"]), timeout=240)
+    assert rc == 0, out[-6000:]
+    assert "first step held for 15 s" in out
+    assert "not an error while busy: drafter rank" in out, out[-4000:]
+    assert os.path.isfile(tmp_path / "export" / "model.safetensors")
+
+
+def _shm_of(pids) -> list[str]:
+    return [p for pid in pids for p in glob.glob(f"/dev/shm/{PREFIX}{pid}_*")]
+
+
+def _freeze_and_time_the_others(tmp_path, frozen_rank: int, world: int = 3):
+    """Freeze `frozen_rank` (SIGSTOP) after the first logged steps; seconds until every other worker
+    has exited, and the job's output."""
+    proc = start(world, LIVE + [f"run_dir={tmp_path}", "train.max_steps=400"])
+    scal = tmp_path / "tb" / "drafter" / "scalars.jsonl"
+    deadline = time.time() + 180
+    while not (scal.exists() and scal.stat().st_size > 0):
+        assert proc.poll() is None and time.time() < deadline, "the job ended or never logged"
+        time.sleep(0.2)
+    pids = worker_pids(proc.pid)
+    os.kill(pids[frozen_rank], signal.SIGSTOP)
+    t0 = time.time()
+    others = [p for i, p in enumerate(pids) if i != frozen_rank]
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in others):
+        if time.time() - t0 > 60:
+            break
+        time.sleep(0.2)
+    took = time.time() - t0
+    os.kill(pids[frozen_rank], signal.SIGKILL)  # let the agent finish now
+    os.kill(pids[frozen_rank], signal.SIGCONT)
+    rc, out, _ = finish(proc, timeout=120)
+    return took, rc, out, pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen_rank,name", [(0, "target rank 0"), (2, "drafter rank 2")])
+def test_a_frozen_rank_ends_every_other_rank_within_the_bound_naming_it(tmp_path, frozen_rank, name):
+    took, rc, out, pids = _freeze_and_time_the_others(tmp_path, frozen_rank)
+    print(f"other ranks gone {took:.1f} s after SIGSTOP of rank {frozen_rank}")
+    assert rc != 0
+    assert took < 5 + 10, (took, out[-4000:])
+    survivors = [r for r in range(3) if r != frozen_rank]
+    for r in survivors:  # every survivor names the frozen rank in its own words
+        role = "target" if r == 0 else "drafter"
+        lines = [ln for ln in out.splitlines() if f"{role} rank {r} failed" in ln]
+        assert any(name in ln and ("dead or frozen" in ln or "no data" in ln or "no credit" in ln)
+                   for ln in lines), (r, out[-4000:])
+    assert _shm_of(pids) == []
