@@ -94,7 +94,7 @@ def workload(target_config: dict, layer_ids: list[int], shape: DrafterShape, seq
 class Layout:
     target_gpus: int  # GPUs running only the target
     drafter_gpus: int  # GPUs running only the drafter
-    shared_gpus: int  # GPUs running one target and one drafter process (0 or 1)
+    shared_gpus: int  # GPUs running one target and one drafter process (0, 1, or every GPU)
     target_share: float  # fraction of the shared GPU's time the target gets (0 when none is shared)
     samples_per_s: float  # predicted pipeline throughput: min(produced, consumed)
 
@@ -107,6 +107,8 @@ class Layout:
         return self.target_gpus + self.shared_gpus
 
     def describe(self) -> str:
+        if self.shared_gpus and not (self.target_gpus or self.drafter_gpus):
+            return f"{self.shared_gpus} GPUs each shared by a target and a drafter ({self.target_share:.0%} target)"
         s = f"{self.target_gpus} target + {self.drafter_gpus} drafter GPUs"
         if self.shared_gpus:
             s += f" + 1 shared ({self.target_share:.0%} target)"
@@ -123,17 +125,27 @@ def shared_splits(world: int, t: float, d: float, efficiency: float = 0.9) -> li
 
     The shared GPU gives a fraction f of its time to the target and 1 - f to the drafter, and delivers
     `efficiency` of a dedicated GPU's throughput overall (two processes contend for memory and SMs).
-    f is chosen to balance production and consumption: nt*t + e*f*t = nd*d + e*(1-f)*d.
+    Drafters step in lock-step (one gradient all-reduce per step), so every drafter runs at the pace
+    of the one on the shared GPU: consumption is (nd + 1) * e * (1 - f) * d, not nd * d plus a share
+    (measured on 2 H200s: 1 target + 2 drafters, one sharing the target's GPU, ran at 6.83 samples/s,
+    below the 8.01 of 1 + 1 whole GPUs). f balances nt*t + e*f*t = (nd + 1)*e*(1 - f)*d.
     """
     out = []
     for nt in range(world):
         nd = world - 1 - nt
-        f = (nd * d + efficiency * d - nt * t) / (efficiency * (t + d))
+        f = ((nd + 1) * efficiency * d - nt * t) / (efficiency * t + (nd + 1) * efficiency * d)
         f = min(1.0, max(0.0, f))
-        rate = min(nt * t + efficiency * f * t, nd * d + efficiency * (1 - f) * d)
+        rate = min(nt * t + efficiency * f * t, (nd + 1) * efficiency * (1 - f) * d)
         if 0.0 < f < 1.0:  # at 0 or 1 one role gets nothing: a whole split describes it better
             out.append(Layout(nt, nd, 1, f, rate))
     return out
+
+
+def all_shared(world: int, t: float, d: float, efficiency: float = 0.9) -> Layout:
+    """Every GPU runs one target and one drafter process (torchrun --nproc-per-node 2*world,
+    num_target_ranks=world: target i feeds drafter world+i on GPU i over the shm ring). Each GPU
+    alternates the two roles: e * t*d/(t+d) per GPU, the fluid bound less contention."""
+    return Layout(0, 0, world, d / (t + d), efficiency * fluid_bound(world, t, d))
 
 
 def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
@@ -142,7 +154,7 @@ def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9) -> lis
         raise ValueError(f"world_size={world}: a split needs at least 2 GPUs.")
     if t <= 0 or d <= 0:
         raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
-    layouts = whole_splits(world, t, d) + shared_splits(world, t, d, efficiency)
+    layouts = whole_splits(world, t, d) + shared_splits(world, t, d, efficiency) + [all_shared(world, t, d, efficiency)]
     return sorted(layouts, key=lambda lay: (-round(lay.samples_per_s, 9), lay.shared_gpus, lay.target_gpus))
 
 
@@ -177,9 +189,9 @@ def target_config_for(job) -> dict:
     return known_target_config(job.target.path) or load_target_config(resolve_path(job.target))
 
 
-# Assumed MFUs of the two roles when nothing is measured: the target is a plain forward of large
-# matmuls; the drafter step carries backward, masked attention and the CE.
-TARGET_MFU, DRAFTER_MFU = 0.6, 0.5
+# MFUs of the two roles when nothing is measured: what the Qwen3-8B shapes reach on an H200 (the
+# compiled target forward and the default-mode drafter step, BENCHMARKS.md).
+TARGET_MFU, DRAFTER_MFU = 0.75, 0.70
 
 
 def resolve_num_target_ranks(job, world_size: int) -> int:
@@ -281,7 +293,12 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
         lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
     lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} "
                  f"(torchrun --nproc-per-node {world})")
-    if best.shared_gpus:
+    if best.shared_gpus > 1:
+        lines.append(
+            f"best overall shares every GPU: torchrun --nproc-per-node {best.num_processes} ... "
+            f"topology.num_target_ranks={best.num_target_ranks}  (rank r runs on GPU r mod {world}: target "
+            f"i and drafter {world}+i share GPU i over the shm ring; the role groups run on NCCL)")
+    elif best.shared_gpus:
         lines.append(
             f"best overall shares one GPU: torchrun --nproc-per-node {best.num_processes} ... "
             f"topology.num_target_ranks={best.num_target_ranks}  (ranks beyond the GPU count wrap onto "
