@@ -81,7 +81,8 @@ def _drafter_only(rank, world, overrides):
     topo = Topology.plan(0, rank, world, allow_no_target=True)
     topo.init_groups("gloo", datetime.timedelta(seconds=60))
     path, tokenizer, tcfg, layer_ids, mask = prepare(job)
-    run_drafter(RunContext(job, topo, torch.device("cpu"), path, tcfg, layer_ids, mask, tokenizer, torch.float32))
+    ctx = RunContext(job, topo, torch.device("cpu"), path, tcfg, layer_ids, mask, tokenizer, torch.float32)
+    run_drafter(ctx)
 
 
 def test_resume_restores_each_drafters_anchor_rng(tmp_path):

@@ -212,7 +212,8 @@ def test_decode_time_context_equals_the_training_capture(target, monkeypatch):
     worker = TargetWorker(model, layer_ids, torch.device("cpu"))
     seq = torch.tensor(prompt + greedy[:n])
     t = seq.shape[0]
-    batch = PackedBatch(seq, torch.arange(t), torch.zeros(t, dtype=torch.long), torch.ones(t, dtype=torch.long), 1, t)
+    ones = torch.ones(t, dtype=torch.long)
+    batch = PackedBatch(seq, torch.arange(t), torch.zeros(t, dtype=torch.long), ones, 1, t)
     trained = worker.forward(batch).hidden
     assert len(stub.contexts) >= 3
     for ctx in stub.contexts:  # the prefill's rows, then each step's accepted rows appended
