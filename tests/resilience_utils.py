@@ -89,3 +89,25 @@ def signal_workers(agent_pid: int, sig=signal.SIGTERM) -> list[int]:
     for pid in pids:  # only the workers of the agent this test started
         os.kill(pid, sig)
     return pids
+
+
+# A rank's own error line, as main.setup_logging and resilience.fail_fast write it (not torchrun's
+# summary, which repeats the exception text):
+# "[HH:MM:SS D1 ERROR dflash_mp.resilience] drafter rank 1 failed: ..."
+ERROR_RE = re.compile(r"^\[(\d\d):(\d\d):(\d\d) ([TD])(\d+) ERROR dflash_mp\.resilience\] "
+                      r"(\w+ rank \d+ failed: .*)$", re.MULTILINE)
+
+
+def rank_error(out: str, text: str) -> tuple[str, float]:
+    """(message, seconds from the fault to it) of the first rank error line containing `text`.
+
+    Log times are whole seconds (truncated), the fault's time is exact: the figure is up to 1 s
+    below the true delay (so slightly negative for an error logged at once)."""
+    for m in ERROR_RE.finditer(out):
+        if text in m.group(6):
+            t = fault_time(out)
+            fault = time.localtime(t)
+            fault_s = fault.tm_hour * 3600 + fault.tm_min * 60 + fault.tm_sec + t % 1
+            logged_s = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3))
+            return m.group(6), (logged_s - fault_s + 43200) % 86400 - 43200  # across midnight too
+    raise AssertionError(f"no rank logged an error containing {text!r}:\n{out[-4000:]}")

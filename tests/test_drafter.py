@@ -161,8 +161,16 @@ def test_bf16_forward_and_rope_stays_fp32():
     assert torch.equal(drafter.rotary_emb.inv_freq, inv_freq)
     row = Row()
     row.hidden, row.embed = row.hidden.bfloat16(), row.embed.bfloat16()
-    out = row.run(drafter)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    with torch.no_grad():
+        out = row.run(drafter)
+        assert out.dtype == torch.bfloat16
+        # The same (bf16-valued) weights and inputs computed in fp32: only the arithmetic's rounding
+        # differs. Tolerance 0.03 absolute: two bf16 steps (2**-6 = 0.016) at the outputs' largest
+        # magnitudes (2-4; std 1.1); measured max error 0.015.
+        exact = Row()
+        exact.hidden, exact.embed = row.hidden.float(), row.embed.float()
+        ref = exact.run(drafter.float())
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0)
 
 
 def test_autocast_bf16_over_fp32_weights():

@@ -263,3 +263,54 @@ def test_segments_must_be_contiguous_runs_covering_every_parameter():
     opt = FlatAdamW(ps, segments=[["c"], ["a", "b"]], **kw)
     assert [sorted(names) for names, _ in opt._segments] == [["c"], ["a", "b"]]
     assert opt._segments[0][1][0].data_ptr() == opt.master[8:].data_ptr()
+
+
+def test_lr_schedule_warms_up_linearly_then_follows_the_cosine_to_its_floor():
+    from dflash_mp.trainer import lr_at
+
+    # 11 steps, warm-up ceil(0.25 * 11) = 3 steps, then cosine over the remaining 8 down to 0.1.
+    cfg = TrainConfig(lr=1.0, warmup_ratio=0.25, min_lr_ratio=0.1)
+    c = 0.5 ** 0.5  # cos(pi/4)
+    want = [1 / 3, 2 / 3, 1.0,  # warm-up: (step + 1) / 3
+            1.0, 0.1 + 0.45 * (1 + 0.92387953), 0.1 + 0.45 * (1 + c), 0.1 + 0.45 * (1 + 0.38268343),
+            0.55,  # half way (progress 4/8): the midpoint of 1.0 and the floor
+            0.1 + 0.45 * (1 - 0.38268343), 0.1 + 0.45 * (1 - c), 0.1 + 0.45 * (1 - 0.92387953),
+            0.1, 0.1]  # the floor, and it stays there past the last step
+    got = [lr_at(s, 11, cfg) for s in range(13)]
+    assert got == pytest.approx(want, rel=1e-7)
+    # warmup_ratio=0 still warms up for one step (at the full rate), then cosine over the other 4 to 0.
+    cfg0 = TrainConfig(lr=2.0, warmup_ratio=0.0, min_lr_ratio=0.0)
+    got = [lr_at(s, 5, cfg0) for s in range(6)]
+    assert got == pytest.approx([2.0, 2.0, 1.0 + c, 1.0, 1.0 - c, 0.0], abs=1e-12)
+
+
+def test_trainer_steps_follow_the_schedule():
+    tr = _trainer()
+    tr.cfg.warmup_ratio, tr.num_steps = 0.3, 4  # warm-up 2 steps, then cosine over 2
+    seen = [tr.train_step(_batch(s)) for s in range(4)]
+    assert seen == pytest.approx([0.5e-2, 1e-2, 1e-2, 0.5e-2])
+    assert tr.opt.lr == pytest.approx(0.5e-2)
+
+
+def test_gamma_reaches_the_loss_weights():
+    import math
+
+    args = DrafterArgs(**ARGS)
+    torch.manual_seed(0)
+    drafter, embed, head = DFlashDrafter(args), torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02
+
+    def objective(gamma):
+        return DFlashObjective(drafter, args, embed, head, DrafterConfig(block_size=8, num_anchors=8,
+                               max_anchors_per_doc=4, loss_chunk_size=16, gamma=gamma))
+
+    # Slot 0 (the given anchor token) weighs nothing; slot k >= 1 weighs exp(-(k-1)/gamma).
+    for gamma, want in ((2.0, 2.0), (None, 4.0)):  # None: the default for B=8
+        weights = objective(gamma).weights.tolist()
+        assert weights == pytest.approx([0.0] + [math.exp(-(k - 1) / want) for k in range(1, 8)])
+    hb = _batch(0)
+    noise = torch.rand(2, hb.input_ids.shape[0], generator=torch.Generator().manual_seed(0))
+
+    def loss(gamma):
+        return objective(gamma)(hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, noise)[0]
+
+    assert not torch.isclose(loss(2.0), loss(None))

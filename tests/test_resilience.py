@@ -19,7 +19,8 @@ from dflash_mp.resilience import Fault, StopAgreement, effective_resume, fault_f
 
 from dist_utils import run_ranks
 from e2e_utils import SMALL, losses, scalars
-from resilience_utils import consumed, expected_data, fault_time, finish, run, signal_workers, start
+from resilience_utils import (consumed, expected_data, fault_time, finish, rank_error, run, signal_workers,
+                              start)
 
 STEPS = 8
 CRASH = SMALL + ["topology.num_target_ranks=1", f"train.max_steps={STEPS}", "checkpoint.every=2",
@@ -219,7 +220,17 @@ def test_drafter_killed_while_writing_a_checkpoint_resumes_from_the_previous_one
     assert sorted(os.listdir(f"{run_dir}/checkpoints")) == ["step_00000006", "step_00000008"]  # keep=2
 
 
-HANG = SMALL + ["train.max_steps=12", "transport.timeout_s=6", "topology.timeout_s=12", "train.stop_grace_s=5"]
+TIMEOUT_S, GRACE_S = 6, 5
+HANG = SMALL + ["train.max_steps=12", f"transport.timeout_s={TIMEOUT_S}", "topology.timeout_s=12",
+                f"train.stop_grace_s={GRACE_S}"]
+# README: "A dead or silent peer ends every rank within transport.timeout_s with a message naming it."
+# The rank waiting on the peer fails with that message at timeout_s (measured 6 s after the fault)
+# and exits. Ranks not waiting on the transport (the silent rank itself, a drafter in the gradient
+# all-reduce) are then ended by torchrun's SIGTERM and the stop watchdog, train.stop_grace_s later:
+# measured 11.6 s (2 ranks) and 12.2 s (3 ranks) after the fault, i.e. timeout_s + stop_grace_s +
+# under 1.5 s of teardown, not within timeout_s. The bound below is what the code meets; 2.5 s of it
+# is slack for a loaded 2-core machine.
+SILENT_END_S = TIMEOUT_S + GRACE_S + 2.5
 
 
 def run_failing(tmp_path, world: int, fault: str) -> tuple[str, float]:
@@ -234,23 +245,33 @@ def run_failing(tmp_path, world: int, fault: str) -> tuple[str, float]:
 @pytest.mark.slow
 def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
     out, took = run_failing(tmp_path, 2, "0:3:hang")
-    assert "drafter rank 1 failed" in out and "no data from target rank 0 for 6 s" in out, out[-4000:]
-    assert took < 6 + 15, took  # transport timeout, then the failed drafter's exit and teardown
+    msg, after = rank_error(out, "no data from target rank 0")
+    want = f"drafter rank 1 failed: RuntimeError: no data from target rank 0 for {TIMEOUT_S} s"
+    assert msg.startswith(want), msg
+    assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after  # not before the timeout, nor long after
+    assert took < SILENT_END_S, took
 
 
 @pytest.mark.slow
 def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path):
     # Rank 2 hangs: the target waits for its credit, drafter 1 waits in the gradient all-reduce.
     out, took = run_failing(tmp_path, 3, "2:3:hang")
-    assert "target rank 0 failed" in out and "no credit from drafter rank 2" in out, out[-4000:]
-    assert took < 12 + 15, took  # bounded by the process-group timeout at worst
+    msg, after = rank_error(out, "no credit from drafter rank 2")
+    want = f"target rank 0 failed: RuntimeError: no credit from drafter rank 2 for {TIMEOUT_S} s"
+    assert msg.startswith(want), msg
+    assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after
+    assert took < SILENT_END_S, took  # well before the process-group timeout (12 s + teardown)
 
 
 @pytest.mark.slow
 def test_dead_drafter_without_restart_ends_the_job_promptly(tmp_path):
+    # A dead peer is seen at once (its pid is gone), long before transport.timeout_s.
     out, took = run_failing(tmp_path, 2, "1:3:kill")
-    assert re.search(r"rank\s*: 1 .*\n.*\n.*exitcode\s*: -9", out) or "drafter rank 1" in out, out[-4000:]
-    assert took < 15, took
+    msg, after = rank_error(out, "drafter rank 1 (pid")
+    assert msg.startswith("target rank 0 failed: RuntimeError: target rank 0: drafter rank 1 (pid "), msg
+    assert "died" in msg, msg
+    assert after < TIMEOUT_S, after
+    assert took < TIMEOUT_S, took  # measured 0.8 s
 
 
 @pytest.mark.slow

@@ -135,3 +135,86 @@ def test_exported_drafter_round_trip_decodes_the_same(target, tmp_path):
     a = speculative_generate(target, drafter, [1, 2, 3], 8)
     b = speculative_generate(target, again, [1, 2, 3], 8)
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+
+
+class GreedyStubDrafter:
+    """Proposes the target's own greedy continuation with one slot per step wrong (or none), and
+    records the context rows `speculative_generate` hands the drafter at every step.
+
+    `wrong[k]`: the 1-based proposal slot replaced by another token at step k (0 = all right), so
+    step k must accept exactly `wrong[k] - 1` proposals plus the bonus token."""
+
+    def __init__(self, greedy: list[int], prompt_len: int, block_size: int, wrong: list[int]):
+        self.greedy, self.prompt_len, self.b, self.wrong = greedy, prompt_len, block_size, wrong
+        self.contexts: list[torch.Tensor] = []
+
+    def __call__(self, drafter, context, anchor_token, block_size):
+        assert block_size == self.b
+        step = len(self.contexts)
+        self.contexts.append(context.clone())
+        anchor = context.shape[0] - self.prompt_len  # generated index of the anchor token
+        assert anchor_token == self.greedy[anchor]
+        proposal = torch.tensor(self.greedy[anchor + 1: anchor + self.b])
+        slot = self.wrong[step % len(self.wrong)]
+        if slot:
+            proposal[slot - 1] = (proposal[slot - 1] + 1) % (V - 1)
+        return proposal
+
+
+@pytest.mark.parametrize("block_size,wrong", [(4, [2, 1, 3, 0]), (8, [5, 1, 7, 0, 3])])
+def test_partial_acceptance_is_exact_lossless_and_crops_the_cache(target, monkeypatch, block_size, wrong):
+    """Steps that accept part of a block: the acceptance lengths are the leading matching run plus
+    one, rejected positions are cropped from the target's cache (any stale row would change later
+    tokens), and the output is greedy's, token for token."""
+    import dflash_mp.speculative as spec
+
+    prompt, n = [3, 14, 15, 92, 65, 35], 24
+    greedy = greedy_generate(target, prompt, n + block_size).tokens  # proposals may run past n
+    stub = GreedyStubDrafter(greedy, len(prompt), block_size, wrong)
+    monkeypatch.setattr(spec, "draft_block", stub)
+    crops = []
+    real_crop = spec._crop
+    monkeypatch.setattr(spec, "_crop", lambda cache, length: (crops.append(cache.get_seq_length() - length),
+                                                             real_crop(cache, length)))
+    out = speculative_generate(target, make_drafter(target, block_size), prompt, n)
+
+    want, kept, made = [], [], 1
+    while made < n:
+        kept.append(wrong[len(kept) % len(wrong)] or block_size)  # slot s wrong: s-1 accepted + bonus
+        want.append(min(kept[-1], n - made))  # the last step is clipped to n tokens
+        made += want[-1]
+    assert out.acceptance_lengths == want
+    assert out.tokens == greedy[:n]
+    check_lossless(0, out, greedy_generate(target, prompt, n))
+    # Every partly accepted step dropped its rejected rows from the cache.
+    assert [c for c in crops if c] == [block_size - a for a in kept if a < block_size]
+
+
+def test_decode_time_context_equals_the_training_capture(target, monkeypatch):
+    """The rows the drafter reads while decoding are the ones the target worker captures for
+    training over the same tokens: layer i = output of decoder layer i, position for position."""
+    import copy
+
+    import dflash_mp.speculative as spec
+    from dflash_mp.batch import PackedBatch
+    from dflash_mp.target import TargetWorker, truncate
+
+    block_size, prompt, n = 4, [7, 1, 8, 2, 8], 14
+    greedy = greedy_generate(target, prompt, n + block_size).tokens
+    stub = GreedyStubDrafter(greedy, len(prompt), block_size, [2, 0, 3])
+    monkeypatch.setattr(spec, "draft_block", stub)
+    drafter = make_drafter(target, block_size)
+    speculative_generate(target, drafter, prompt, n)
+
+    layer_ids = drafter.args.target_layer_ids
+    model = copy.deepcopy(target)
+    truncate(model, max(layer_ids))
+    worker = TargetWorker(model, layer_ids, torch.device("cpu"))
+    seq = torch.tensor(prompt + greedy[:n])
+    t = seq.shape[0]
+    ones = torch.ones(t, dtype=torch.long)
+    batch = PackedBatch(seq, torch.arange(t), torch.zeros(t, dtype=torch.long), ones, 1, t)
+    trained = worker.forward(batch).hidden
+    assert len(stub.contexts) >= 3
+    for ctx in stub.contexts:  # the prefill's rows, then each step's accepted rows appended
+        torch.testing.assert_close(ctx, trained[: ctx.shape[0]], rtol=1e-9, atol=1e-9)

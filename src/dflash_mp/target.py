@@ -32,7 +32,7 @@ class TargetConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
     attn_implementation: str = "auto"  # auto (flex_attention on CUDA, sdpa on CPU) | sdpa | flex_attention
     compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
-    cache_dir: str = "~/.cache/dflash_mp"  # where builtin targets are built once
+    cache_dir: str = ""  # where builtin targets are built once; "" = $DFLASH_MP_CACHE or ~/.cache/dflash_mp
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
@@ -61,7 +61,7 @@ def resolve_path(cfg: TargetConfig) -> str:
     if cfg.path.startswith("builtin:"):
         from .demo import resolve_target_path
 
-        return resolve_target_path(cfg.path, os.path.expanduser(cfg.cache_dir))
+        return resolve_target_path(cfg.path, os.path.expanduser(cfg.cache_dir) if cfg.cache_dir else None)
     return cfg.path
 
 
