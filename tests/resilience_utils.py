@@ -94,7 +94,7 @@ def signal_workers(agent_pid: int, sig=signal.SIGTERM) -> list[int]:
 # A rank's own error line, as main.setup_logging and resilience.fail_fast write it (not torchrun's
 # summary, which repeats the exception text):
 # "[HH:MM:SS D1 ERROR dflash_mp.resilience] drafter rank 1 failed: ..."
-ERROR_RE = re.compile(r"^\[(\d\d):(\d\d):(\d\d) ([TD])(\d+) ERROR dflash_mp\.resilience\] "
+ERROR_RE = re.compile(r"^\[(\d\d):(\d\d):(\d\d) ([TD])(\d+) ERROR dflash_mp\.(?:resilience|liveness)\] "
                       r"(\w+ rank \d+ failed: .*)$", re.MULTILINE)
 
 

@@ -224,13 +224,10 @@ TIMEOUT_S, GRACE_S = 6, 5
 HANG = SMALL + ["train.max_steps=12", f"transport.timeout_s={TIMEOUT_S}", "topology.timeout_s=12",
                 f"train.stop_grace_s={GRACE_S}"]
 # README: "A dead or silent peer ends every rank within transport.timeout_s with a message naming it."
-# The rank waiting on the peer fails with that message at timeout_s (measured 6 s after the fault)
-# and exits. Ranks not waiting on the transport (the silent rank itself, a drafter in the gradient
-# all-reduce) are then ended by torchrun's SIGTERM and the stop watchdog, train.stop_grace_s later:
-# measured 11.6 s (2 ranks) and 12.2 s (3 ranks) after the fault, i.e. timeout_s + stop_grace_s +
-# under 1.5 s of teardown, not within timeout_s. The bound below is what the code meets; 2.5 s of it
-# is slack for a loaded 2-core machine.
-SILENT_END_S = TIMEOUT_S + GRACE_S + 2.5
+# The rank waiting on the peer fails with that message at timeout_s; every other rank's liveness
+# watcher reads that failure at its next beat (1 s) and exits naming it. 3 s of slack for teardown
+# on a loaded 2-core machine.
+SILENT_END_S = TIMEOUT_S + 3
 
 
 def run_failing(tmp_path, world: int, fault: str) -> tuple[str, float]:
@@ -246,7 +243,7 @@ def run_failing(tmp_path, world: int, fault: str) -> tuple[str, float]:
 def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
     out, took = run_failing(tmp_path, 2, "0:3:hang")
     msg, after = rank_error(out, "no data from target rank 0")
-    want = f"drafter rank 1 failed: RuntimeError: no data from target rank 0 for {TIMEOUT_S} s"
+    want = f"drafter rank 1 failed: no data from target rank 0 for {TIMEOUT_S} s"
     assert msg.startswith(want), msg
     assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after  # not before the timeout, nor long after
     assert took < SILENT_END_S, took
@@ -257,7 +254,7 @@ def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path)
     # Rank 2 hangs: the target waits for its credit, drafter 1 waits in the gradient all-reduce.
     out, took = run_failing(tmp_path, 3, "2:3:hang")
     msg, after = rank_error(out, "no credit from drafter rank 2")
-    want = f"target rank 0 failed: RuntimeError: no credit from drafter rank 2 for {TIMEOUT_S} s"
+    want = f"target rank 0 failed: no credit from drafter rank 2 for {TIMEOUT_S} s"
     assert msg.startswith(want), msg
     assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after
     assert took < SILENT_END_S, took  # well before the process-group timeout (12 s + teardown)
@@ -267,9 +264,9 @@ def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path)
 def test_dead_drafter_without_restart_ends_the_job_promptly(tmp_path):
     # A dead peer is seen at once (its pid is gone), long before transport.timeout_s.
     out, took = run_failing(tmp_path, 2, "1:3:kill")
-    msg, after = rank_error(out, "drafter rank 1 (pid")
-    assert msg.startswith("target rank 0 failed: RuntimeError: target rank 0: drafter rank 1 (pid "), msg
-    assert "died" in msg, msg
+    msg, after = rank_error(out, "died")
+    assert msg.startswith("target rank 0 failed: drafter rank 1 ["), msg  # named by the watcher
+    assert re.search(r"died \(pid \d+ is gone\)", msg), msg
     assert after < TIMEOUT_S, after
     assert took < TIMEOUT_S, took  # measured 0.8 s
 
