@@ -58,7 +58,8 @@ def test_exact_key_set(tmp_path):
 def test_config_fields(tmp_path):
     args = tiny_args(layer_types=["full_attention", "sliding_attention"], sliding_window=5)
     target = {"num_hidden_layers": 8, "hidden_size": H, "vocab_size": V}
-    out = export_drafter(trained_like(args), args, tmp_path / "e", target_config=target)
+    out = export_drafter(trained_like(args), args, tmp_path / "e", target_config=target,
+                         chat_template_kwargs={"enable_thinking": False})
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["num_hidden_layers"] == 2 and config["num_key_value_heads"] == 2
@@ -67,7 +68,8 @@ def test_config_fields(tmp_path):
     assert config["torch_dtype"] == "bfloat16" and config["block_size"] == B
     assert config["layer_types"] == ["full_attention", "sliding_attention"]
     assert config["sliding_window"] == 5 and config["use_sliding_window"] is True
-    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 6], "mask_token_id": MASK_ID}
+    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 6], "mask_token_id": MASK_ID,
+                                       "chat_template_kwargs": {"enable_thinking": False}}
     # The public meaning of num_target_layers is the target's depth.
     assert config["num_target_layers"] == 8
     assert args_from_config(config) == args

@@ -24,8 +24,13 @@ WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None) -> dict:
-    """The `config.json` dict for `args`, checked against the target's config when given."""
+def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None,
+                   chat_template_kwargs: dict | None = None) -> dict:
+    """The `config.json` dict for `args`, checked against the target's config when given.
+
+    `chat_template_kwargs`: the template options the training data was rendered with (e.g.
+    `{"enable_thinking": false}`), recorded so that serving and `evaluate` can render the same way.
+    """
     if target_config is not None:
         for key in ("hidden_size", "vocab_size"):
             theirs = target_config.get(key)
@@ -71,6 +76,7 @@ def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | 
         "dflash_config": {
             "target_layer_ids": list(args.target_layer_ids),
             "mask_token_id": args.mask_token_id,
+            "chat_template_kwargs": dict(chat_template_kwargs or {}),
         },
     }
 
@@ -126,6 +132,7 @@ def export_drafter(
     target_config: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
     state: dict[str, torch.Tensor] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
 
@@ -135,7 +142,7 @@ def export_drafter(
     """
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    config = drafter_config(args, dtype, target_config)
+    config = drafter_config(args, dtype, target_config, chat_template_kwargs)
     # Unwrapped tensors only: `.contiguous().clone()` also breaks any storage sharing, which
     # safetensors refuses to serialise.
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in (state or drafter.state_dict()).items()}
@@ -157,6 +164,12 @@ def export_drafter(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def exported_chat_template_kwargs(path: str | os.PathLike) -> dict | None:
+    """The template options an export was trained with; None for exports that predate the record."""
+    config = json.loads((Path(path) / CONFIG_NAME).read_text())
+    return config.get("dflash_config", {}).get("chat_template_kwargs")
 
 
 def load_exported(
