@@ -2,8 +2,11 @@
 
 The directory holds `config.json` (a Qwen3 config plus the DFlash fields, `architectures:
 ["DFlashDraftModel"]`) and `model.safetensors` with the drafter's own tensors under their public
-names: no embedding, no LM head (inference takes both from the target). It is written into a
-temporary sibling directory and renamed into place, so a reader never sees half an export.
+names: no embedding, no LM head (inference takes both from the target). It also holds
+`modeling_dflash.py` (this package's `dflash_mp.modeling_dflash`) and an `auto_map` naming it, so
+`AutoModel.from_pretrained(path, trust_remote_code=True)` loads it as the public drafters load. It
+is written into a temporary sibling directory and renamed into place, so a reader never sees half
+an export.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dflash_mp.model.drafter import DFlashDrafter, DrafterArgs
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_NAME = "modeling_dflash.py"
+MODELING_SOURCE = Path(__file__).with_name(MODELING_NAME)
 
 
 def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None,
@@ -49,6 +54,7 @@ def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | 
     layer_types = args.resolved_layer_types
     return {
         "architectures": [ARCHITECTURE],
+        "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.{ARCHITECTURE}"},
         "model_type": "qwen3",
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
@@ -151,6 +157,7 @@ def export_drafter(
     try:
         _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         _write_synced(tmp / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        _write_synced(tmp / MODELING_NAME, lambda p: shutil.copyfile(MODELING_SOURCE, p))
         if out_dir.exists():
             # A directory cannot be replaced atomically; move the old one aside first so the new
             # one appears in a single rename, then drop the old one.
