@@ -297,12 +297,14 @@ def main(argv: list[str] | None = None) -> None:
     pipe.add_argument("--rows", type=int, default=None, help="conversations to regenerate (default: the size's)")
     pipe.add_argument("--epochs", type=float, default=None, help="drafter epochs (default: the size's)")
     pipe.add_argument("--world", type=int, default=2)
+    pipe.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra training override, e.g. --train train.feature_noise=gaussian (repeatable)")
     args = parser.parse_args(argv)
     if args.cmd == "build-target":
         print(train_learned_target(args.out, size=args.size) if args.out else resolve_learned_target(size=args.size))
         return
     settings = {k: v for k, v in (("num_rows", args.rows), ("train_epochs", args.epochs)) if v is not None}
-    reports = run_pipeline(args.work, size=args.size, world=args.world, **settings)
+    reports = run_pipeline(args.work, size=args.size, world=args.world, extra_train=args.train, **settings)
     print(f"timings: {reports.pop('timings')}")
     with open(os.path.join(args.work, "reports.json"), "w") as f:
         json.dump(reports, f, indent=2)
