@@ -4,13 +4,17 @@ A drafter learns to predict the target, so it should train on what the target it
 what some other model wrote (the DFlash recipe trains on target-regenerated data):
 
     python -m dflash_mp.regenerate target.path=Qwen/Qwen3-8B data.path=in.jsonl out=out.jsonl \
-        [temperature=0] [max_new_tokens=1024] [batch_size=32] [seed=0]
+        [temperature=0] [max_new_tokens=1024] [batch_size=32] [sort_window=16] [seed=0]
 
 `target.*` and `data.*` are the training job's own config fields (`data.max_rows`, `data.split`,
 `target.dtype`, ...). Each assistant turn is generated from the conversation so far (with the turns
 regenerated before it), rendered with the chat template and a generation prompt; conversations are
-generated in batches with left padding. `temperature=0` is greedy; otherwise sampling is seeded per
-batch, so an interrupted run resumed later writes the same rows as an uninterrupted one.
+generated in batches with left padding. Batches are formed by length: each window of
+`batch_size * sort_window` conversations is sorted (by assistant turns, then rendered length,
+longest first) before it is cut into batches, so a batch pads little and rarely waits on one long
+reply; the window's rows are written in input order once all of it is done. `temperature=0` is
+greedy (the output does not depend on batching); otherwise sampling is seeded per batch, so an
+interrupted run resumed later writes the same rows as an uninterrupted one.
 
 Prompts are rendered with `data.chat_template_kwargs` (e.g. `{enable_thinking: false}`), the same
 options training and `evaluate` render with. Each regenerated assistant turn records whether the
@@ -48,6 +52,7 @@ class RegenConfig:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 512  # per assistant turn
     batch_size: int = 16  # conversations generated together
+    sort_window: int = 16  # batches whose conversations are sorted by length together; 1 = input order
     seed: int = 0  # sampling seed (per batch: seed + batch index)
 
 
@@ -191,8 +196,9 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
 
     if not cfg.out:
         raise ValueError("out= is missing; name the output jsonl, e.g. out=regenerated.jsonl")
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
-        raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}: both must be >= 1")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.sort_window < 1:
+        raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
+                         f"{cfg.sort_window}: all must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_path(job.target)
     tok = AutoTokenizer.from_pretrained(path)
@@ -221,13 +227,24 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     regen = Regenerator(model, tok, cfg, job.data.chat_template_kwargs)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     t0 = time.perf_counter()
+    window = cfg.batch_size * cfg.sort_window
     with open(cfg.out, "a", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(todo), cfg.batch_size)):
-            # Seeded by the batch's place in the remaining work AND what was already done, so a
-            # resumed run continues the uninterrupted run's seed sequence.
-            torch.manual_seed(cfg.seed + stats["skipped_done"] + start)
-            batch = todo[start: start + cfg.batch_size]
-            for conv, (_, tools) in zip(regen.regenerate([m for m, _ in batch], [t for _, t in batch]), batch):
+        for w0 in range(0, len(todo), window):
+            chunk = todo[w0: w0 + window]
+            sizes = [(sum(m["role"] == "assistant" for m in msgs),
+                      len(render_chat(tok, msgs, job.data.chat_template_kwargs, tools=tools))) for msgs, tools in chunk]
+            order = sorted(range(len(chunk)), key=lambda i: sizes[i], reverse=True)
+            done: list = [None] * len(chunk)
+            for start in range(0, len(order), cfg.batch_size):
+                # Seeded by the batch's place in the remaining work AND what was already done (whole
+                # windows: a window is written at once), so a resumed run continues the uninterrupted
+                # run's seed sequence.
+                torch.manual_seed(cfg.seed + stats["skipped_done"] + w0 + start)
+                idx = order[start: start + cfg.batch_size]
+                convs = regen.regenerate([chunk[i][0] for i in idx], [chunk[i][1] for i in idx])
+                for i, conv in zip(idx, convs):
+                    done[i] = conv
+            for conv, (_, tools) in zip(done, chunk):
                 replies = [m for m in conv if m["role"] == "assistant"]
                 stats["empty_replies"] += sum(not m["content"] and not m.get("reasoning_content") for m in replies)
                 stats["unfinished"] += sum(not m["finished"] for m in replies)
@@ -236,7 +253,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
                 stats["written"] += 1
             f.flush()
             os.fsync(f.fileno())
-            log.info("batch %d: %d/%d rows, %.1fs", b, stats["written"], len(todo), time.perf_counter() - t0)
+            log.info("%d/%d rows, %.1fs", stats["written"], len(todo), time.perf_counter() - t0)
     return stats
 
 
