@@ -310,3 +310,20 @@ def test_unclosed_think_block_is_unfinished(tok):
         tokenize_conversation(tok, inline, chat_template_kwargs=ON)
     ids, mask = tokenize_conversation(tok, inline, chat_template_kwargs=ON, unfinished="keep_open")
     assert masked_runs(tok, ids, mask) == ["<think>\nstill weighing"]
+
+
+def test_tool_calls_from_a_file_keep_each_rows_own_arguments(tok, tmp_path):
+    """Rows whose tool schemas and calls differ load as written: one merged Arrow struct for all rows
+    would give the first row the second row's `units` key, as nulls the template renders (datasets
+    stores such objects as Json values)."""
+    rows = [copy.deepcopy(TOOL_ROW) for _ in range(2)]
+    rows[1]["messages"][4]["tool_calls"][0]["function"]["arguments"] = {"city": "Rome", "units": "metric"}
+    rows[1]["tools"][0]["function"]["parameters"]["properties"]["units"] = {"type": "string"}
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(path))
+    ds, skipped = tokenize_dataset(load_conversations(cfg), tok, cfg)
+    assert not skipped
+    enc = ChatEncoder(tok)
+    assert [ds[i]["input_ids"] for i in range(2)] == [enc.encode_row(r)[0] for r in rows]
+    assert "units" not in tok.decode(ds[0]["input_ids"]) and "null" not in tok.decode(ds[0]["input_ids"])
