@@ -58,16 +58,19 @@ def test_exact_key_set(tmp_path):
 def test_config_fields(tmp_path):
     args = tiny_args(layer_types=["full_attention", "sliding_attention"], sliding_window=5)
     target = {"num_hidden_layers": 8, "hidden_size": H, "vocab_size": V}
-    out = export_drafter(trained_like(args), args, tmp_path / "e", target_config=target)
+    out = export_drafter(trained_like(args), args, tmp_path / "e", target_config=target,
+                         chat_template_kwargs={"enable_thinking": False})
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert config["num_hidden_layers"] == 2 and config["num_key_value_heads"] == 2
     assert config["head_dim"] == 8 and config["vocab_size"] == V and config["hidden_act"] == "silu"
     assert config["attention_bias"] is False and config["tie_word_embeddings"] is False
     assert config["torch_dtype"] == "bfloat16" and config["block_size"] == B
     assert config["layer_types"] == ["full_attention", "sliding_attention"]
     assert config["sliding_window"] == 5 and config["use_sliding_window"] is True
-    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 6], "mask_token_id": MASK_ID}
+    assert config["dflash_config"] == {"target_layer_ids": [1, 4, 6], "mask_token_id": MASK_ID,
+                                       "chat_template_kwargs": {"enable_thinking": False}}
     # The public meaning of num_target_layers is the target's depth.
     assert config["num_target_layers"] == 8
     assert args_from_config(config) == args
@@ -104,7 +107,7 @@ def test_export_replaces_atomically(tmp_path):
     export_drafter(trained_like(args), args, target)
     (target / "stale.txt").write_text("from an older export")
     export_drafter(trained_like(args), args, target)
-    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     assert os.listdir(tmp_path) == ["export"]  # no temporary directories left behind
 
 
@@ -207,3 +210,56 @@ def test_public_loader_loads_export_and_agrees(tmp_path, case, dtype_name):
         )[0]
     assert theirs.dtype == dtype
     torch.testing.assert_close(theirs.float(), ours, atol=tol, rtol=tol)
+
+
+def _block_inputs(args, start, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(start + B, K * H, generator=g)
+    embed = torch.randn(V, H, generator=g)
+    input_ids = torch.randint(0, MASK_ID, (start + B,), generator=g)
+    block_ids, _ = build_blocks(input_ids, torch.arange(start + B), torch.tensor([start]), B, MASK_ID)
+    return hidden, F.embedding(block_ids, embed)
+
+
+@pytest.mark.parametrize("case", list(PUBLIC_CASES))
+def test_automodel_with_remote_code_loads_export_like_the_public_class(tmp_path, case):
+    """The export's own modeling file, loaded the way public drafters load, computes what the public
+    class computes from the same directory, with and without a KV cache across calls."""
+    from transformers import AutoModel, DynamicCache
+
+    DFlashDraftModel = _public_model_class()
+    args = tiny_args(**PUBLIC_CASES[case])
+    out = export_drafter(trained_like(args), args, tmp_path / "e", dtype=torch.float32,
+                         chat_template_kwargs={"enable_thinking": False})
+    ours, info = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
+                                           output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert type(ours).__module__.endswith("modeling_dflash") and type(ours).__name__ == "DFlashDraftModel"
+    assert ours.target_layer_ids == args.target_layer_ids and ours.block_size == B and ours.mask_token_id == MASK_ID
+    assert ours.chat_template_kwargs == {"enable_thinking": False}
+    public = DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32)
+    ours.eval(), public.eval()
+    theirs_state = public.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, theirs_state[name]), name
+
+    start = 11
+    hidden, block_embeds = _block_inputs(args, start)
+    with torch.no_grad():
+        kw = dict(position_ids=torch.arange(start + B)[None], noise_embedding=block_embeds[None],
+                  target_hidden=hidden[None, :start])
+        torch.testing.assert_close(ours(**kw), public(**kw), atol=1e-5, rtol=1e-5)
+        # Decoding: the cache holds earlier context and blocks (cropped back to the accepted ones).
+        caches = [DynamicCache(config=m.config) for m in (ours, public)]
+        for cache in caches:  # sliding layers roll back only when recording, as dflash_generate sets up
+            if hasattr(cache, "activate_past_recording"):
+                cache.activate_past_recording()
+        split = 6
+        for model, cache in zip((ours, public), caches):
+            model(position_ids=torch.arange(split + B)[None], noise_embedding=block_embeds[None],
+                  target_hidden=hidden[None, :split], past_key_values=cache, use_cache=True)
+            cache.crop(split - cache.get_seq_length())  # drop the block: keep the context
+        got, want = (model(position_ids=torch.arange(split, start + B)[None], noise_embedding=block_embeds[None],
+                           target_hidden=hidden[None, split:start], past_key_values=cache, use_cache=True)
+                     for model, cache in zip((ours, public), caches))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

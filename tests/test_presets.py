@@ -69,3 +69,14 @@ def test_llama_without_mask_token_names_the_fix():
     tcfg = known_target_config(job.target.path)
     with pytest.raises(ValueError, match="drafter.mask_token_id"):
         validate(job, tcfg, FakeTokenizer(128256))
+
+
+@pytest.mark.parametrize("name,kwargs", [("qwen3_4b", {"enable_thinking": False}),
+                                         ("qwen3_8b", {"enable_thinking": False}),
+                                         ("llama3_1_8b_instruct", {})])
+def test_presets_set_the_template_options_their_drafters_serve_with(name, kwargs):
+    assert compose([f"experiment={name}"]).data.chat_template_kwargs == kwargs
+    # `++` adds the key or overrides the preset's (the README's spelling).
+    for value in (True, False):
+        job = compose([f"experiment={name}", f"++data.chat_template_kwargs.enable_thinking={str(value).lower()}"])
+        assert job.data.chat_template_kwargs == {"enable_thinking": value}

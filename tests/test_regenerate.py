@@ -81,3 +81,38 @@ def test_overrides_split_between_tool_and_job():
     assert mine == {"out": "x.jsonl", "temperature": "0.7"} and job == ["data.path=y", "target.path=z"]
     with pytest.raises(ValueError, match="out="):
         main(["data.path=builtin:demo"])
+
+
+def test_length_sorted_batches_write_what_one_by_one_greedy_writes(tmp_path, capsys, monkeypatch):
+    from dflash_mp.regenerate import Regenerator
+
+    words = "the cat sat on a mat and then it ran far away from home".split()
+    rows = [{"messages": [{"role": "user", "content": " ".join(words[: 1 + (5 * i) % len(words)])},
+                          {"role": "assistant", "content": "x"}]} for i in range(10)]
+    rows[3]["messages"] += [{"role": "user", "content": "and again?"}, {"role": "assistant", "content": "y"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    widths = []
+    generate = Regenerator.generate
+
+    def spy(self, prompts, tools=None):
+        if len(prompts[0]) == 1:  # first turns only (a later turn's prompt holds the earlier ones)
+            widths.append([len(p[0]["content"]) for p in prompts])
+        return generate(self, prompts, tools)
+
+    monkeypatch.setattr(Regenerator, "generate", spy)
+    run(src, tmp_path / "sorted.jsonl", cache, capsys, "batch_size=3", "sort_window=4")
+    sorted_widths = widths[:]
+    widths.clear()
+    run(src, tmp_path / "single.jsonl", cache, capsys, "batch_size=1", "sort_window=1")
+    # Same rows, in input order, whatever the batching.
+    assert read(tmp_path / "sorted.jsonl") == read(tmp_path / "single.jsonl")
+    assert [conversation_key(r["messages"]) for r in read(tmp_path / "sorted.jsonl")] == \
+        [conversation_key(r["messages"]) for r in rows]
+    # Batches went out longest first (the two-turn row leads), not in input order.
+    two_turn = len(rows[3]["messages"][0]["content"])
+    assert [len(b) for b in sorted_widths] == [3, 3, 3, 1] and sorted_widths[0][0] == two_turn
+    lengths = [w for batch in sorted_widths for w in batch][1:]
+    assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) == 9
+    assert [len(b) for b in widths] == [1] * 10

@@ -21,6 +21,10 @@ evaluation sees the target and data the drafter was trained with. Two measuremen
   labelled as such). Every prompt's output must equal plain greedy decoding; if one does not, the
   report is still written and the command fails.
 
+Prompts and held-out rows are rendered with `data.chat_template_kwargs`; when the export records
+other options (it was trained on text rendered differently, e.g. with thinking on), a warning says so
+and the report keeps both (`chat_template_kwargs`, `export_chat_template_kwargs`).
+
 The report is printed and written as JSON to `eval.out` (default `<checkpoint>/eval.json`).
 """
 
@@ -50,23 +54,24 @@ class EvalConfig:
     num_anchors: int = 128  # blocks per drafter call for tau_sim (every anchor candidate is evaluated)
 
 
-def _good_conversations(job, tokenizer, vocab_limit: int) -> list[list[dict[str, str]]]:
+def _good_conversations(job, tokenizer, vocab_limit: int) -> list[tuple[list[dict], list | None]]:
     """The rows the trainer keeps (same checks), held-out ones only when `data.eval_fraction > 0`."""
     import datasets
 
     from .data import split_eval
     from .data.chat import BadRow, ChatEncoder, load_conversations
-    from .data.chat import row_messages
+    from .data.chat import row_messages, row_tools
 
-    encoder = ChatEncoder(tokenizer, vocab_limit, job.data.messages_field)
+    encoder = ChatEncoder(tokenizer, vocab_limit, job.data.messages_field, job.data.chat_template_kwargs,
+                          job.data.unfinished)
     good = []
     for row in load_conversations(job.data):
         try:
-            messages = row_messages(row, job.data.messages_field)
-            encoder.encode_messages(messages)
+            messages, tools = row_messages(row, job.data.messages_field), row_tools(row)
+            encoder.encode_messages(messages, tools=tools)
         except BadRow:
             continue
-        good.append(messages)
+        good.append((messages, tools))
     if job.data.eval_fraction > 0:
         index = datasets.Dataset.from_dict({"i": list(range(len(good)))})
         _, held = split_eval(index, job.data.eval_fraction, job.data.seed)
@@ -74,13 +79,18 @@ def _good_conversations(job, tokenizer, vocab_limit: int) -> list[list[dict[str,
     return good
 
 
-def eval_prompts(conversations: list[list[dict[str, str]]], tokenizer, num_prompts: int) -> list[list[int]]:
-    """The prefix before every assistant turn, rendered with a generation prompt, in data order."""
+def eval_prompts(conversations: list, tokenizer, num_prompts: int,
+                 chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """The prefix before every assistant turn, rendered with a generation prompt, in data order.
+    `conversations`: message lists, or (messages, tools) pairs."""
+    from .data.chat import render_chat
+
     prompts = []
-    for messages in conversations:
+    for conv in conversations:
+        messages, tools = conv if isinstance(conv, tuple) else (conv, None)
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and len(prompts) < num_prompts:
-                text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                text = render_chat(tokenizer, messages[:i], chat_template_kwargs, True, tools)
                 prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return prompts
 
@@ -228,7 +238,7 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
 def evaluate(job, cfg: EvalConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .export import load_exported
+    from .export import exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
     from .target import load_target_config, resolve_dtype, resolve_path
@@ -249,13 +259,20 @@ def evaluate(job, cfg: EvalConfig) -> dict:
         raise ValueError(f"the drafter at {cfg.checkpoint} (hidden {args.hidden_size}, vocab {args.vocab_size}) does "
                          f"not fit the target at {target_path}; pass the target it was trained for (target.path=...)")
 
+    ours, theirs = dict(job.data.chat_template_kwargs), exported_chat_template_kwargs(cfg.checkpoint)
+    if theirs is not None and theirs != ours:
+        log.warning("the drafter at %s was trained on text rendered with chat_template_kwargs=%s, this "
+                    "evaluation renders with data.chat_template_kwargs=%s: acceptance will not show how it "
+                    "serves; pass data.chat_template_kwargs=... as it was trained (or serve it that way)",
+                    cfg.checkpoint, theirs, ours)
     sim = simulate(job, target_path, tokenizer, target_config, drafter, args, device, dtype, cfg)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
     conversations = _good_conversations(job, tokenizer, target_config["vocab_size"])
-    prompts = eval_prompts(conversations, tokenizer, cfg.num_prompts)
+    prompts = eval_prompts(conversations, tokenizer, cfg.num_prompts, ours)
     live_report, failures = live(target, Drafter.for_target(drafter, args, target), prompts,
                                  stop_token_ids(tokenizer, target), cfg, args.block_size)
     report = {"checkpoint": os.path.abspath(cfg.checkpoint), "target": target_path, "data": job.data.path,
+              "chat_template_kwargs": ours, "export_chat_template_kwargs": theirs,
               "sim": sim, "live": live_report, "failures": failures}
     out = cfg.out or os.path.join(cfg.checkpoint, "eval.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -2,8 +2,11 @@
 
 The directory holds `config.json` (a Qwen3 config plus the DFlash fields, `architectures:
 ["DFlashDraftModel"]`) and `model.safetensors` with the drafter's own tensors under their public
-names: no embedding, no LM head (inference takes both from the target). It is written into a
-temporary sibling directory and renamed into place, so a reader never sees half an export.
+names: no embedding, no LM head (inference takes both from the target). It also holds
+`modeling_dflash.py` (this package's `dflash_mp.modeling_dflash`) and an `auto_map` naming it, so
+`AutoModel.from_pretrained(path, trust_remote_code=True)` loads it as the public drafters load. It
+is written into a temporary sibling directory and renamed into place, so a reader never sees half
+an export.
 """
 
 from __future__ import annotations
@@ -22,10 +25,17 @@ from dflash_mp.model.drafter import DFlashDrafter, DrafterArgs
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+MODELING_NAME = "modeling_dflash.py"
+MODELING_SOURCE = Path(__file__).with_name(MODELING_NAME)
 
 
-def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None) -> dict:
-    """The `config.json` dict for `args`, checked against the target's config when given."""
+def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | None = None,
+                   chat_template_kwargs: dict | None = None) -> dict:
+    """The `config.json` dict for `args`, checked against the target's config when given.
+
+    `chat_template_kwargs`: the template options the training data was rendered with (e.g.
+    `{"enable_thinking": false}`), recorded so that serving and `evaluate` can render the same way.
+    """
     if target_config is not None:
         for key in ("hidden_size", "vocab_size"):
             theirs = target_config.get(key)
@@ -44,6 +54,7 @@ def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | 
     layer_types = args.resolved_layer_types
     return {
         "architectures": [ARCHITECTURE],
+        "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.{ARCHITECTURE}"},
         "model_type": "qwen3",
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
@@ -71,6 +82,7 @@ def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | 
         "dflash_config": {
             "target_layer_ids": list(args.target_layer_ids),
             "mask_token_id": args.mask_token_id,
+            "chat_template_kwargs": dict(chat_template_kwargs or {}),
         },
     }
 
@@ -126,6 +138,7 @@ def export_drafter(
     target_config: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
     state: dict[str, torch.Tensor] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
 
@@ -135,7 +148,7 @@ def export_drafter(
     """
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    config = drafter_config(args, dtype, target_config)
+    config = drafter_config(args, dtype, target_config, chat_template_kwargs)
     # Unwrapped tensors only: `.contiguous().clone()` also breaks any storage sharing, which
     # safetensors refuses to serialise.
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in (state or drafter.state_dict()).items()}
@@ -144,6 +157,7 @@ def export_drafter(
     try:
         _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         _write_synced(tmp / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        _write_synced(tmp / MODELING_NAME, lambda p: shutil.copyfile(MODELING_SOURCE, p))
         if out_dir.exists():
             # A directory cannot be replaced atomically; move the old one aside first so the new
             # one appears in a single rename, then drop the old one.
@@ -157,6 +171,12 @@ def export_drafter(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def exported_chat_template_kwargs(path: str | os.PathLike) -> dict | None:
+    """The template options an export was trained with; None for exports that predate the record."""
+    config = json.loads((Path(path) / CONFIG_NAME).read_text())
+    return config.get("dflash_config", {}).get("chat_template_kwargs")
 
 
 def load_exported(

@@ -208,19 +208,22 @@ def resolve_learned_target(cache_dir: str | None = None, size: str = "tiny") -> 
 # Per size: drafter training overrides, evaluation overrides, regeneration and pipeline settings.
 # tiny fits a laptop CPU (1 target + 1 drafter rank); medium is the GPU run (B=16; eager drafter
 # with dense masks and an sdpa target: small shapes, so nothing waits minutes for kernels to compile).
-_COMMON = ["data.eval_fraction=0.1", "logging.progress=false", "train.compile=eager", "checkpoint.every=0"]
+# Replies are capped short to keep regeneration cheap, so many are cut (a quarter of the tiny rows):
+# keep them, open, rather than drop them (data.unfinished).
+_COMMON = ["data.eval_fraction=0.1", "logging.progress=false", "train.compile=eager", "checkpoint.every=0",
+           "data.unfinished=keep_open"]
 PROFILES = {
     "tiny": dict(
         train=["data.seq_len=512", "drafter.block_size=8", "drafter.num_anchors=64", "drafter.max_anchors_per_doc=16",
                "drafter.loss_chunk_size=256", "train.lr=3e-3", "logging.log_every=20", *_COMMON],
-        eval=["data.seq_len=512", "data.eval_fraction=0.1"],
+        eval=["data.seq_len=512", "data.eval_fraction=0.1", "data.unfinished=keep_open"],
         num_rows=240, max_new_tokens=96, regen_batch=32, train_epochs=4.0, num_prompts=12, eval_tokens=64),
     "medium": dict(
         train=["data.seq_len=1024", "drafter.block_size=16", "drafter.num_layers=2", "drafter.num_anchors=256",
                "drafter.max_anchors_per_doc=32", "drafter.loss_chunk_size=1024", "train.lr=1e-3",
                "logging.log_every=100", "drafter.attention=dense", "target.attn_implementation=sdpa",
                "target.compile=false", *_COMMON],
-        eval=["data.seq_len=1024", "data.eval_fraction=0.1", "drafter.attention=dense",
+        eval=["data.seq_len=1024", "data.eval_fraction=0.1", "data.unfinished=keep_open", "drafter.attention=dense",
               "target.attn_implementation=sdpa"],
         num_rows=800, max_new_tokens=160, regen_batch=200, train_epochs=5.0, num_prompts=32, eval_tokens=128),
 }
@@ -297,12 +300,14 @@ def main(argv: list[str] | None = None) -> None:
     pipe.add_argument("--rows", type=int, default=None, help="conversations to regenerate (default: the size's)")
     pipe.add_argument("--epochs", type=float, default=None, help="drafter epochs (default: the size's)")
     pipe.add_argument("--world", type=int, default=2)
+    pipe.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                      help="extra training override, e.g. --train train.feature_noise=gaussian (repeatable)")
     args = parser.parse_args(argv)
     if args.cmd == "build-target":
         print(train_learned_target(args.out, size=args.size) if args.out else resolve_learned_target(size=args.size))
         return
     settings = {k: v for k, v in (("num_rows", args.rows), ("train_epochs", args.epochs)) if v is not None}
-    reports = run_pipeline(args.work, size=args.size, world=args.world, **settings)
+    reports = run_pipeline(args.work, size=args.size, world=args.world, extra_train=args.train, **settings)
     print(f"timings: {reports.pop('timings')}")
     with open(os.path.join(args.work, "reports.json"), "w") as f:
         json.dump(reports, f, indent=2)

@@ -4,17 +4,28 @@ A drafter learns to predict the target, so it should train on what the target it
 what some other model wrote (the DFlash recipe trains on target-regenerated data):
 
     python -m dflash_mp.regenerate target.path=Qwen/Qwen3-8B data.path=in.jsonl out=out.jsonl \
-        [temperature=0] [max_new_tokens=1024] [batch_size=32] [seed=0]
+        [temperature=0] [max_new_tokens=1024] [batch_size=32] [sort_window=16] [seed=0]
 
 `target.*` and `data.*` are the training job's own config fields (`data.max_rows`, `data.split`,
 `target.dtype`, ...). Each assistant turn is generated from the conversation so far (with the turns
 regenerated before it), rendered with the chat template and a generation prompt; conversations are
-generated in batches with left padding. `temperature=0` is greedy; otherwise sampling is seeded per
-batch, so an interrupted run resumed later writes the same rows as an uninterrupted one.
+generated in batches with left padding. Batches are formed by length: each window of
+`batch_size * sort_window` conversations is sorted (by assistant turns, then rendered length,
+longest first) before it is cut into batches, so a batch pads little and rarely waits on one long
+reply; the window's rows are written in input order once all of it is done. `temperature=0` is
+greedy (the output does not depend on batching); otherwise sampling is seeded per batch, so an
+interrupted run resumed later writes the same rows as an uninterrupted one.
+
+Prompts are rendered with `data.chat_template_kwargs` (e.g. `{enable_thinking: false}`), the same
+options training and `evaluate` render with. Each regenerated assistant turn records whether the
+model ended it: `"finished": false` when it hit `max_new_tokens` before a stop token (training then
+drops the row or keeps the reply open, `data.unfinished`). Reasoning the model writes in a `<think>`
+block is stored as `reasoning_content` (the HF/OpenAI schema); the row's `tools`, if any, are kept.
 
 Resumable: rows already in `out` (matched by their non-assistant turns) are skipped and new rows are
-appended, flushed after every batch. Output rows are `{"messages": [...]}`. Bad input rows are
-counted by reason and skipped.
+appended, flushed after every batch. Output rows are `{"messages": [...]}` (plus `tools` when the
+input row had them). Bad input rows are counted by reason and skipped; counters `unfinished` (cut
+replies) and `empty_replies` are printed.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data.chat import row_messages
+from .data.chat import render_chat, row_messages, row_tools
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,7 @@ class RegenConfig:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 512  # per assistant turn
     batch_size: int = 16  # conversations generated together
+    sort_window: int = 16  # batches whose conversations are sorted by length together; 1 = input order
     seed: int = 0  # sampling seed (per batch: seed + batch index)
 
 
@@ -75,9 +87,28 @@ def build_own(own: type, values: dict[str, str]):
     return own(**out)
 
 
-def conversation_key(messages: list[dict[str, str]]) -> str:
+def conversation_key(messages: list[dict]) -> str:
     """What regeneration leaves unchanged: the non-assistant turns and where the replies go."""
     return json.dumps([(m["role"], m["content"] if m["role"] != "assistant" else None) for m in messages])
+
+
+def reply_message(text: str, finished: bool, split_reasoning: bool = True) -> dict:
+    """The assistant message for a generated reply, `finished` recording whether a stop token ended it.
+
+    With `split_reasoning` (templates that read `reasoning_content`), a leading `<think>` block (or
+    reasoning closed by `</think>` when the prompt opened the block) becomes `reasoning_content`.
+    A reply whose block never closes was cut while reasoning: it is unfinished whatever stopped it.
+    """
+    msg: dict = {"role": "assistant", "content": text}
+    head, sep, tail = text.partition("</think>")
+    if not sep and text.lstrip().startswith("<think>"):
+        finished = False
+        if split_reasoning:
+            msg.update(reasoning_content=text.lstrip().removeprefix("<think>").strip("\n"), content="")
+    elif sep and split_reasoning and (head.lstrip().startswith("<think>") or "<think>" not in head):
+        msg.update(reasoning_content=head.lstrip().removeprefix("<think>").strip("\n"), content=tail.lstrip("\n"))
+    msg["finished"] = finished
+    return msg
 
 
 def done_keys(path: str) -> Counter:
@@ -115,16 +146,20 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
 
 
 class Regenerator:
-    def __init__(self, model, tokenizer, cfg: RegenConfig):
+    def __init__(self, model, tokenizer, cfg: RegenConfig, chat_template_kwargs: dict | None = None):
         self.model, self.tok, self.cfg = model, tokenizer, cfg
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.device = model.get_input_embeddings().weight.device
         self.stop = stop_token_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
+        self.split_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[dict[str, str]]]) -> list[str]:
-        """One reply per conversation prefix, generated as one left-padded batch."""
-        ids = [self.tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    def generate(self, prompts: list[list[dict]], tools: list[list | None] | None = None) -> list[tuple[str, bool]]:
+        """(reply, finished) per conversation prefix, generated as one left-padded batch; `finished`
+        is False when the reply ran into `max_new_tokens` without a stop token."""
+        tools = tools or [None] * len(prompts)
+        ids = [render_chat(self.tok, p, self.chat_template_kwargs, True, t) for p, t in zip(prompts, tools)]
         ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in ids]
         width = max(len(x) for x in ids)
         input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids], device=self.device)
@@ -134,17 +169,21 @@ class Regenerator:
             else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
                                   eos_token_id=self.stop, pad_token_id=self.pad, **kwargs)
-        return [self.tok.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+        stop = set(self.stop)
+        # Padding after a finished row may be a stop id too, but only ever after a real one.
+        return [(self.tok.decode(row[width:], skip_special_tokens=True).strip(),
+                 any(t in stop for t in row[width:].tolist())) for row in out]
 
-    def regenerate(self, conversations: list[list[dict[str, str]]]) -> list[list[dict[str, str]]]:
+    def regenerate(self, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[list[dict]]:
         """Every assistant turn replaced, turn by turn; each turn sees the replies regenerated before it."""
         convs = [list(c) for c in conversations]
+        tools = tools or [None] * len(convs)
         turn_idx = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
         for t in range(max(len(x) for x in turn_idx)):
             todo = [(c, x[t]) for c, x in zip(range(len(convs)), turn_idx) if t < len(x)]
-            replies = self.generate([convs[c][:i] for c, i in todo])
-            for (c, i), reply in zip(todo, replies):
-                convs[c][i] = {"role": "assistant", "content": reply}
+            replies = self.generate([convs[c][:i] for c, i in todo], [tools[c] for c, _ in todo])
+            for (c, i), (reply, finished) in zip(todo, replies):
+                convs[c][i] = reply_message(reply, finished, self.split_reasoning)
         return convs
 
 
@@ -157,21 +196,25 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
 
     if not cfg.out:
         raise ValueError("out= is missing; name the output jsonl, e.g. out=regenerated.jsonl")
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
-        raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}: both must be >= 1")
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.sort_window < 1:
+        raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
+                         f"{cfg.sort_window}: all must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_path(job.target)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(job.target.dtype, device))
     model.to(device).eval()
-    encoder = ChatEncoder(tok)
+    # Every row is checked as training will read it, but a reply cut in the SOURCE data is no reason to
+    # skip the row here: its turns are about to be replaced.
+    encoder = ChatEncoder(tok, chat_template_kwargs=job.data.chat_template_kwargs, unfinished="keep_open")
     stats: Counter = Counter()
     done = done_keys(cfg.out)
     todo = []
     for row in load_conversations(job.data):
         try:
             messages = row_messages(row, job.data.messages_field)
-            encoder.encode_messages(messages)  # the trainer's own checks (template, rendering)
+            tools = row_tools(row)
+            encoder.encode_messages(messages, tools=tools)  # the trainer's own checks (template, rendering)
         except BadRow as bad:
             stats[f"bad/{bad.reason}"] += 1
             continue
@@ -180,22 +223,37 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
             done[key] -= 1
             stats["skipped_done"] += 1
             continue
-        todo.append(messages)
-    regen = Regenerator(model, tok, cfg)
+        todo.append((messages, tools))
+    regen = Regenerator(model, tok, cfg, job.data.chat_template_kwargs)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     t0 = time.perf_counter()
+    window = cfg.batch_size * cfg.sort_window
     with open(cfg.out, "a", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(todo), cfg.batch_size)):
-            # Seeded by the batch's place in the remaining work AND what was already done, so a
-            # resumed run continues the uninterrupted run's seed sequence.
-            torch.manual_seed(cfg.seed + stats["skipped_done"] + start)
-            for conv in regen.regenerate(todo[start: start + cfg.batch_size]):
-                stats["empty_replies"] += sum(m["role"] == "assistant" and not m["content"] for m in conv)
-                f.write(json.dumps({"messages": conv}, ensure_ascii=False) + "\n")
+        for w0 in range(0, len(todo), window):
+            chunk = todo[w0: w0 + window]
+            sizes = [(sum(m["role"] == "assistant" for m in msgs),
+                      len(render_chat(tok, msgs, job.data.chat_template_kwargs, tools=tools))) for msgs, tools in chunk]
+            order = sorted(range(len(chunk)), key=lambda i: sizes[i], reverse=True)
+            done: list = [None] * len(chunk)
+            for start in range(0, len(order), cfg.batch_size):
+                # Seeded by the batch's place in the remaining work AND what was already done (whole
+                # windows: a window is written at once), so a resumed run continues the uninterrupted
+                # run's seed sequence.
+                torch.manual_seed(cfg.seed + stats["skipped_done"] + w0 + start)
+                idx = order[start: start + cfg.batch_size]
+                convs = regen.regenerate([chunk[i][0] for i in idx], [chunk[i][1] for i in idx])
+                for i, conv in zip(idx, convs):
+                    done[i] = conv
+            for conv, (_, tools) in zip(done, chunk):
+                replies = [m for m in conv if m["role"] == "assistant"]
+                stats["empty_replies"] += sum(not m["content"] and not m.get("reasoning_content") for m in replies)
+                stats["unfinished"] += sum(not m["finished"] for m in replies)
+                row = {"messages": conv, **({"tools": tools} if tools else {})}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 stats["written"] += 1
             f.flush()
             os.fsync(f.fileno())
-            log.info("batch %d: %d/%d rows, %.1fs", b, stats["written"], len(todo), time.perf_counter() - t0)
+            log.info("%d/%d rows, %.1fs", stats["written"], len(todo), time.perf_counter() - t0)
     return stats
 
 

@@ -286,7 +286,8 @@ def run_drafter(ctx: RunContext) -> None:
         if lead:
             out = os.path.join(job.run_dir, "export")
             export_drafter(trainer.objective.drafter, args, out, ctx.target_config,
-                           state=trainer.master_state_dict())
+                           state=trainer.master_state_dict(),
+                           chat_template_kwargs=job.data.chat_template_kwargs)
             log.info("exported drafter to %s", out)
 
 

@@ -86,6 +86,26 @@ class TrainConfig:
     # running this long after the signal exits non-zero (Slurm's KillWait and torchrun's shutdown
     # wait are 30 s: keep it below both, or raise them).
     stop_grace_s: float = 25.0
+    feature_noise: str = "none"  # none | uniform | gaussian: noise added to the target's context features
+    #   in training steps only (never evaluation or export), so the drafter tolerates features that
+    #   differ a little from the ones it trained on (another kernel, dtype or batch at serving time)
+    feature_noise_scale: float = 0.05  # noise std relative to each token's per-layer feature RMS
+
+
+FEATURE_NOISE = ("none", "uniform", "gaussian")
+
+
+def add_feature_noise(hidden: torch.Tensor, kind: str, scale: float, num_layers: int) -> torch.Tensor:
+    """`hidden` [T, num_layers * H] plus zero-mean noise of std `scale` x the RMS of each token's
+    features of each captured layer (layers differ in scale by orders of magnitude). Drawn on the
+    device from the global generator, inside whatever graph the step is compiled into."""
+    x = hidden.float().unflatten(-1, (num_layers, -1))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    if kind == "gaussian":
+        eps = torch.randn_like(x)
+    else:  # uniform on [-sqrt(3), sqrt(3)]: unit variance, like the Gaussian
+        eps = (torch.rand_like(x) * 2 - 1) * math.sqrt(3.0)
+    return (x + (scale * rms) * eps).flatten(-2).to(hidden.dtype)
 
 
 def build_drafter_args(cfg: DrafterConfig, target: dict, layer_ids: list[int], mask_token_id: int) -> DrafterArgs:
@@ -128,9 +148,13 @@ class DFlashObjective(nn.Module):
         self.register_buffer("weights", slot_weights(args.block_size, cfg.gamma, device=embed.device),
                              persistent=False)
         self.loss_kernel = "eager"  # set by compile_objective
+        self.feature_noise: tuple[str, float] = ("none", 0.0)  # set by DrafterTrainer (training only)
 
     def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
         b = self.args.block_size
+        kind, scale = self.feature_noise
+        if kind != "none" and self.training:
+            hidden = add_feature_noise(hidden, kind, scale, len(self.args.target_layer_ids))
         anchors, valid = sample_anchors(loss_mask, doc_ids, self.cfg.num_anchors, self.cfg.max_anchors_per_doc,
                                         noise=noise)
         labels, label_mask = block_labels(input_ids, loss_mask, doc_ids, anchors, valid, b)
@@ -222,6 +246,11 @@ class DrafterTrainer:
         objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
         self.loss_kernel = resolve_loss_kernel(cfg.loss_kernel, self.mode, device)
+        if cfg.feature_noise not in FEATURE_NOISE or cfg.feature_noise_scale < 0:
+            raise ValueError(f"train.feature_noise={cfg.feature_noise!r}, train.feature_noise_scale="
+                             f"{cfg.feature_noise_scale}: use one of {FEATURE_NOISE} and a scale >= 0 (e.g. 0.05)")
+        # Python constants of the step: fixed for the run, so they never trigger a recompile.
+        objective.feature_noise = (cfg.feature_noise, float(cfg.feature_noise_scale))
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel)
         b = objective.args.block_size
         self.stats = _Stats(b, device)

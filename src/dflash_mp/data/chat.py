@@ -5,6 +5,17 @@ turn in the rendered text, then map characters to tokens with the fast tokenizer
 prefixes instead breaks on templates that rewrite earlier turns (Qwen3 drops `<think>` blocks of
 assistant turns before the last user message), so a prefix render is not a prefix of the full one.
 
+Messages follow the OpenAI/HF schema: besides `content`, an assistant turn may carry
+`reasoning_content` and `tool_calls`, a `tool` turn a tool's result, and a row may carry `tools`
+(the functions offered); all of it goes to the template as the served model would see it. What is
+supervised: everything the model writes after the generation prompt (reasoning, answer, tool-call
+text, end-of-turn token); never system, user or tool turns, nor what the generation prompt itself
+holds (e.g. the empty think block Qwen3 inserts with thinking off).
+
+A reply marked `"finished": false` (cut at `max_new_tokens` by `regenerate`) or whose `<think>` block
+never closes was not ended by the model: `unfinished="drop"` skips the row, `"keep_open"` supervises
+the reply without the closing tokens the template would add.
+
 Bad rows raise `BadRow(reason)`; `tokenize_dataset` counts them by reason and drops them.
 """
 
@@ -17,7 +28,7 @@ import logging
 import os
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import jinja2
@@ -52,9 +63,11 @@ with open(__file__, "rb") as _f:
 SKIP_REASONS = (
     "invalid_utf8", "invalid_json", "row_not_object", "missing_field",  # the row itself
     "not_a_list", "empty", "message_not_dict", "missing_role", "unknown_role", "content_not_string",
-    "invalid_unicode", "no_assistant",  # its messages
+    "invalid_unicode", "no_assistant", "bad_tool_calls",  # its messages
+    "unfinished_reply",  # a reply the model never ended (data.unfinished=drop)
     "template_error", "assistant_not_rendered", "no_supervised_tokens", "token_out_of_vocab",  # tokenisation
 )
+UNFINISHED = ("drop", "keep_open")
 
 
 class BadRow(Exception):
@@ -161,9 +174,27 @@ def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
 # ---------------------------------------------------------------------------------------------
 
 
-def normalize_messages(messages) -> list[dict[str, str]]:
-    """Validated `[{"role", "content"}]`; ShareGPT `from`/`value` mapped onto role/content.
+def _check_text(value) -> str:
+    if not isinstance(value, str):
+        raise BadRow("content_not_string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: the Rust tokenizer cannot take them
+        raise BadRow("invalid_unicode") from None
+    return value
 
+
+def unclosed_think(text: str) -> bool:
+    """True if `text` opens a `<think>` block it never closes (a reply cut while reasoning)."""
+    return text.rfind("<think>") > text.rfind("</think>")
+
+
+def normalize_messages(messages) -> list[dict[str, Any]]:
+    """Validated `[{"role", "content", ...}]`; ShareGPT `from`/`value` mapped onto role/content.
+
+    Kept besides role and content (when set): `reasoning_content` and `tool_calls` of assistant
+    turns, `tool_call_id` and `name` of tool turns, and `finished` (False: a reply cut short).
+    An assistant turn with tool calls or reasoning may have no content (None becomes "").
     Arrow merges row schemas, so absent keys come back as None: None counts as missing.
     """
     if not isinstance(messages, list):
@@ -180,14 +211,28 @@ def normalize_messages(messages) -> list[dict[str, str]]:
             raise BadRow("missing_role")
         if not isinstance(role, str) or role not in ROLES:
             raise BadRow("unknown_role")
-        if not isinstance(content, str):
-            raise BadRow("content_not_string")
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: the Rust tokenizer cannot take them
-            raise BadRow("invalid_unicode") from None
-        out.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        role = ROLES[role]
+        msg: dict[str, Any] = {"role": role}
+        if role == "assistant":
+            calls = m.get("tool_calls")
+            if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+                raise BadRow("bad_tool_calls")
+            if calls:
+                msg["tool_calls"] = calls
+            if m.get("reasoning_content") is not None:
+                msg["reasoning_content"] = _check_text(m["reasoning_content"])
+            if content is None and (calls or "reasoning_content" in msg):
+                content = ""
+            if m.get("finished") is not None:
+                msg["finished"] = bool(m["finished"])
+        elif role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    msg[key] = _check_text(m[key])
+        msg["content"] = _check_text(content)
+        out.append(msg)
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("reasoning_content", "").strip()
+                                             or m.get("tool_calls")) for m in out):
         raise BadRow("no_assistant")
     return out
 
@@ -221,9 +266,8 @@ def _match_reply(text: str, start: int, full: str, answer: str, end_marker: str)
     return None
 
 
-def raw_messages(row: dict, messages_field: str):
-    """The conversation field of a data row, as stored (a raw JSON line is parsed first); raises
-    `BadRow`. ShareGPT's `conversations` is read when `messages_field` is absent."""
+def parse_row(row: dict) -> dict:
+    """The row as a dict (a raw JSON line of the tolerant reader is parsed); raises `BadRow`."""
     if RAW_COLUMN in row:
         try:
             row = json.loads(row[RAW_COLUMN].decode("utf-8"))
@@ -233,58 +277,113 @@ def raw_messages(row: dict, messages_field: str):
             raise BadRow("invalid_json") from None
         if not isinstance(row, dict):
             raise BadRow("row_not_object")
+    return row
+
+
+def raw_messages(row: dict, messages_field: str):
+    """The conversation field of a data row, as stored (a raw JSON line is parsed first); raises
+    `BadRow`. ShareGPT's `conversations` is read when `messages_field` is absent."""
+    row = parse_row(row)
     for field in (messages_field, "conversations"):
         if row.get(field) is not None:
             return row[field]
     raise BadRow("missing_field")
 
 
-def row_messages(row: dict, messages_field: str) -> list[dict[str, str]]:
+def row_messages(row: dict, messages_field: str) -> list[dict[str, Any]]:
     """The normalised conversation of a data row; raises `BadRow`."""
     return normalize_messages(raw_messages(row, messages_field))
 
 
-class ChatEncoder:
-    """Tokenizes conversations with `tokenizer`'s chat template; callable as a batched `Dataset.map`."""
+def row_tools(row: dict) -> list | None:
+    """The row's `tools` (function schemas offered to the model), or None; raises `BadRow`."""
+    tools = parse_row(row).get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRow("bad_tool_calls")
+    return tools or None
 
-    def __init__(self, tokenizer, vocab_limit: int | None = None, messages_field: str = "messages"):
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as handed to the chat template: bookkeeping keys (`finished`) left out."""
+    return [{k: v for k, v in m.items() if k != "finished"} for m in messages]
+
+
+def is_unfinished(message: dict[str, Any]) -> bool:
+    """An assistant reply its model never ended: cut by `max_new_tokens`, or reasoning left open."""
+    return message["role"] == "assistant" and (
+        message.get("finished") is False or unclosed_think(message["content"])
+        or unclosed_think(message.get("reasoning_content", "")))
+
+
+def render_chat(tokenizer, messages, chat_template_kwargs: dict | None = None,
+                add_generation_prompt: bool = False, tools: list | None = None) -> str:
+    """The template's text for `messages`: the one rendering training, `regenerate` and `evaluate`
+    share, so all three see the conversation as the served model will."""
+    return tokenizer.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+
+
+class ChatEncoder:
+    """Tokenizes conversations with `tokenizer`'s chat template; callable as a batched `Dataset.map`.
+
+    `chat_template_kwargs` go to every `apply_chat_template` call (e.g. `{"enable_thinking": False}`);
+    `unfinished` is what happens to replies their model never ended (`drop` | `keep_open`).
+    """
+
+    def __init__(self, tokenizer, vocab_limit: int | None = None, messages_field: str = "messages",
+                 chat_template_kwargs: dict | None = None, unfinished: str = "drop"):
         if not tokenizer.is_fast:
             raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer; the loss mask needs a fast "
                              "tokenizer's offset mapping (load it with use_fast=True)")
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template; use an instruct/chat tokenizer or set "
                              "tokenizer.chat_template")
+        if unfinished not in UNFINISHED:
+            raise ValueError(f"data.unfinished={unfinished!r}: use drop (skip rows with a cut-off reply) or "
+                             "keep_open (supervise it without the end-of-turn token)")
         self.tokenizer = tokenizer
         self.vocab_limit = len(tokenizer) if vocab_limit is None else vocab_limit
         self.messages_field = messages_field
-        self.header, self.end_marker = self._assistant_markers()
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.unfinished = unfinished
+        self.header, self.end_marker, self.prompt_tail = self._assistant_markers()
         self.special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
-    def _render(self, messages, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+    def _render(self, messages, add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        return render_chat(self.tokenizer, messages, self.chat_template_kwargs, add_generation_prompt, tools)
 
-    def _assistant_markers(self) -> tuple[str, str]:
-        """What the template puts before an assistant reply (e.g. '<|im_start|>assistant\\n') and
-        after it (e.g. '<|im_end|>'), read off renders of a probe conversation."""
+    def _assistant_markers(self) -> tuple[str, str, str]:
+        """What the template puts before an assistant reply (e.g. '<|im_start|>assistant\\n'), after it
+        (e.g. '<|im_end|>'), and what a generation prompt adds past the header that the model then
+        does not write (Qwen3 with thinking off: an empty '<think>\\n\\n</think>\\n\\n'), read off
+        renders of a probe conversation."""
         probe = [{"role": "user", "content": "ping"}]
         plain, prompted = self._render(probe), self._render(probe, add_generation_prompt=True)
-        header = prompted[len(plain):] if prompted.startswith(plain) else ""
+        opener = prompted[len(plain):] if prompted.startswith(plain) else ""
         # A generation prompt may open a reasoning block (DeepSeek-R1, Qwen3 with thinking off); past
         # turns do not carry it, so the header proper ends where that block starts.
-        header = header.split("<think>")[0]
+        header = opener.split("<think>")[0]
+        # A block the prompt also closes is the template's, not the model's: past turns rendered with
+        # it must not supervise it. An open one is left in the span (the model writes its contents).
+        tail = opener[len(header):]
+        tail = tail if "</think>" in tail else ""
         replied = self._render(probe + [{"role": "assistant", "content": "PONG"}])
-        return header, replied[replied.rfind("PONG") + len("PONG"):].strip()
+        return header, replied[replied.rfind("PONG") + len("PONG"):].strip(), tail
 
-    def _assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
-        """Character spans of the assistant replies in `text`, found turn by turn, left to right.
+    def _assistant_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int, bool]]:
+        """Character spans `(start, end, closed)` of the assistant replies in `text`, found turn by
+        turn, left to right; `closed` is False for a reply kept open (no end-of-turn token).
 
-        With a header, a span runs from the end of the header to the end of the reply, and the reply
-        must sit right after the header (whitespace aside): as given, or as rewritten by a Qwen3-style
-        template, i.e. without its `<think>` block, or with it re-rendered as `<think>...</think>`
-        before the answer (then inside the span). Anchoring, rather than searching, keeps a reply from
-        ever being matched inside a later turn. Templates without a header are searched forward.
+        With a header, a span runs from the end of the header (and of a closed think block the
+        generation prompt puts there) to the end of the reply, and the reply must sit right after
+        the header (whitespace aside): as given, or as rewritten by a Qwen3-style template, i.e.
+        without its `<think>` block, or with it re-rendered as `<think>...</think>` before the answer
+        (then inside the span). A turn with `reasoning_content` or `tool_calls` spans everything the
+        template renders up to the turn's end marker, provided its answer is in there. Anchoring,
+        rather than searching, keeps a reply from ever being matched inside a later turn. Templates
+        without a header are searched forward.
         """
         spans, cursor = [], 0
         for m in messages:
@@ -294,6 +393,7 @@ class ChatEncoder:
                 pos = text.find(key, cursor) if key else -1
                 cursor = pos + len(key) if pos >= 0 else cursor  # templates may rewrite these; fine
                 continue
+            open_reply = is_unfinished(m)
             full, answer = content.strip(), content.split("</think>")[-1].strip()
             if not self.header:
                 key = full if full in text[cursor:] else answer
@@ -303,25 +403,53 @@ class ChatEncoder:
                         raise BadRow("assistant_not_rendered")
                     continue
                 cursor = pos + len(key)
-                spans.append((pos, cursor))
+                spans.append((pos, cursor, not open_reply))
                 continue
             h = text.find(self.header, cursor)
             if h < 0:
                 raise BadRow("assistant_not_rendered")
             start = cursor = h + len(self.header)  # consumed even if this reply is skipped
+            if self.prompt_tail and text.startswith(self.prompt_tail, start):
+                start += len(self.prompt_tail)
+            turn_end = text.find(self.end_marker, start) if self.end_marker else -1
+            turn_end = turn_end if turn_end >= 0 else len(text)
+            if open_reply:
+                # Up to the last thing the model wrote; not the `</think>` or end marker the template
+                # adds after it. A cut reply inlining an open `<think>` may follow an empty block the
+                # template made up: the span starts at the reply itself.
+                pieces = [p for p in (full, m.get("reasoning_content", "").strip()) if p]
+                pos = text.rfind(pieces[0], start, turn_end) if pieces else -1
+                if pos < 0:
+                    if pieces:
+                        raise BadRow("assistant_not_rendered")
+                    continue
+                lo = pos if unclosed_think(full) else start
+                cursor = pos + len(pieces[0])
+                spans.append((lo, cursor, False))
+                continue
+            if "reasoning_content" in m or "tool_calls" in m:
+                if answer and answer not in text[start:turn_end]:
+                    raise BadRow("assistant_not_rendered")
+                end = start + len(text[start:turn_end].rstrip())
+                if end > _SPACE.match(text, start).end():
+                    spans.append((start, end, True))
+                cursor = end
+                continue
             end = _match_reply(text, start, full, answer, self.end_marker)
             if end is None:
                 if answer:
                     raise BadRow("assistant_not_rendered")
                 continue  # only reasoning, which the template dropped: nothing to supervise
             cursor = end
-            spans.append((start, end))
+            spans.append((start, end, True))
         return spans
 
-    def encode_messages(self, messages) -> tuple[list[int], list[int]]:
+    def encode_messages(self, messages, tools: list | None = None) -> tuple[list[int], list[int]]:
         messages = normalize_messages(messages)
+        if self.unfinished == "drop" and any(is_unfinished(m) for m in messages):
+            raise BadRow("unfinished_reply")
         try:
-            text = self._render(messages)
+            text = self._render(messages, tools=tools)
         except (jinja2.TemplateError, TypeError, ValueError):  # e.g. "roles must alternate"
             raise BadRow("template_error") from None
         spans = self._assistant_spans(messages, text)
@@ -329,14 +457,16 @@ class ChatEncoder:
         ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
         starts = [s for s, _ in offsets]
         mask = [0] * len(ids)
-        for s, e in spans:
+        for s, e, closed in spans:
             lo, hi = bisect.bisect_left(starts, s), bisect.bisect_left(starts, e)
             # The end-of-turn token is what makes the model stop: supervise it (and any whitespace
-            # the template put between the reply and it), not the newline that follows.
+            # the template put between the reply and it), not the newline that follows. A reply
+            # kept open never produced one.
             j = hi
-            while j < len(ids) and ids[j] not in self.special_ids and not text[slice(*offsets[j])].strip():
+            while closed and j < len(ids) and ids[j] not in self.special_ids \
+                    and not text[slice(*offsets[j])].strip():
                 j += 1
-            if j < len(ids) and ids[j] in self.special_ids:
+            if closed and j < len(ids) and ids[j] in self.special_ids:
                 hi = j + 1
             mask[lo:hi] = [1] * (hi - lo)
         if not any(mask):
@@ -346,7 +476,7 @@ class ChatEncoder:
         return ids, mask
 
     def encode_row(self, row: dict) -> tuple[list[int], list[int]]:
-        return self.encode_messages(raw_messages(row, self.messages_field))
+        return self.encode_messages(raw_messages(row, self.messages_field), tools=row_tools(row))
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "loss_mask": [], "skip_reason": []}
@@ -362,10 +492,11 @@ class ChatEncoder:
         return out
 
 
-def tokenize_conversation(tokenizer, messages, vocab_limit: int | None = None) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer, messages, vocab_limit: int | None = None, tools: list | None = None,
+                          **encoder_kwargs) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one conversation; raises `BadRow`. Builds a `ChatEncoder` per call:
     use one `ChatEncoder` for many conversations."""
-    return ChatEncoder(tokenizer, vocab_limit).encode_messages(messages)
+    return ChatEncoder(tokenizer, vocab_limit, **encoder_kwargs).encode_messages(messages, tools=tools)
 
 
 def _kept(reasons: list[str]) -> list[bool]:
@@ -378,7 +509,7 @@ def tokenize_dataset(ds: datasets.Dataset, tokenizer, cfg: "DataConfig",
 
     `vocab_limit` is the number of embedding rows of the target (default: `len(tokenizer)`).
     """
-    encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field)
+    encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field, cfg.chat_template_kwargs, cfg.unfinished)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     fingerprint = Hasher.hash([ds._fingerprint, _SOURCE_HASH, encoder])
     out = ds.map(encoder, batched=True, batch_size=256, remove_columns=ds.column_names,

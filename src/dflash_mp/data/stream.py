@@ -11,7 +11,8 @@ import contextlib
 import os
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Dict
 
 import datasets
 import numpy as np
@@ -35,6 +36,11 @@ class DataConfig:
     max_rows: int = 0  # use only the first N rows (0 = all)
     eval_fraction: float = 0.0  # fraction of tokenized rows held out for evaluation (0 = none)
     pack_window: int = 8  # rows kept open while packing; 1 = next-fit, more = less padding
+    # Options of the chat template, passed to every render (training, regenerate, evaluate) and
+    # recorded in the export: e.g. {enable_thinking: false} for Qwen3 served without thinking.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    unfinished: str = "drop"  # replies the model never ended (cut by max_new_tokens, open <think>):
+    #   drop (skip the row) | keep_open (supervise the reply, not an end-of-turn token it never wrote)
 
     def __post_init__(self):
         if self.seq_len < 16:
@@ -47,6 +53,8 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction}; use a value in [0, 1), e.g. 0.02")
         if self.pack_window < 1:
             raise ValueError(f"data.pack_window={self.pack_window}; use 1 (next-fit) or more")
+        if self.unfinished not in ("drop", "keep_open"):
+            raise ValueError(f"data.unfinished={self.unfinished!r}: use drop or keep_open")
         if not self.path:
             raise ValueError("data.path is empty; use a hub id, a local file/directory, or 'builtin:demo'")
 
