@@ -126,10 +126,13 @@ def export_drafter(
     target_config: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
     state: dict[str, torch.Tensor] | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
 
     `state`: the weights to write (the trainer's fp32 master weights), else `drafter.state_dict()`.
+
+    `run_id`: the training run's id, kept in the safetensors metadata (`dflash_run_id`).
 
     An existing `out_dir` is replaced as a whole. Returns the final path.
     """
@@ -142,7 +145,8 @@ def export_drafter(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        meta = {"format": "pt", **({"dflash_run_id": run_id} if run_id else {})}
+        _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
         _write_synced(tmp / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
         if out_dir.exists():
             # A directory cannot be replaced atomically; move the old one aside first so the new
@@ -157,6 +161,27 @@ def export_drafter(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def check_export_dir(path: str, setting: str = "checkpoint") -> None:
+    """ValueError naming `setting` and the export to use when `path` is not an export directory (a
+    training checkpoint, a run directory, or nothing)."""
+    if os.path.isfile(os.path.join(path, CONFIG_NAME)) and os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        return
+    p = Path(path).resolve()
+    run_dir = None
+    if (p / "manifest.json").is_file() or p.parent.name == "checkpoints":  # <run_dir>/checkpoints/step_N
+        run_dir = p.parent.parent
+        what = "a training checkpoint (optimizer state and rng, not an export)"
+    elif (p / "export").is_dir() or (p / "checkpoints").is_dir():
+        run_dir, what = p, "a run directory"
+    else:
+        what = "not a directory" if not p.is_dir() else f"a directory without {CONFIG_NAME} and {WEIGHTS_NAME}"
+    hint = f"the export of that run lives in {run_dir / 'export'}: pass {setting}={run_dir / 'export'}" \
+        if run_dir is not None else f"pass an export directory, e.g. {setting}=outputs/default/export"
+    if run_dir is not None and not (run_dir / "export" / CONFIG_NAME).is_file():
+        hint += " (it has none yet: only a finished training run exports)"
+    raise ValueError(f"{setting}={path} is {what}; {hint}.")
 
 
 def load_exported(

@@ -18,16 +18,19 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
+from . import rundir
 from .config import CONF_DIR, JobConfig, register, to_job
-from .resilience import StopSignal, effective_resume, fail_fast, restart_count
+from .resilience import StopSignal, effective_resume, restart_count
 from .topology import Topology
 
 log = logging.getLogger("dflash_mp")
 
 
-def setup_logging(rank: int, role: str) -> None:
+def setup_logging(rank: int, role: str, run_dir: str | None = None) -> None:
+    """Console, plus `<run_dir>/logs/rank_<rank>.log` from the run directory's claim on (rundir)."""
     fmt = f"[%(asctime)s {role}{rank} %(levelname)s %(name)s] %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    rundir.buffer_rank_log(rank, {"T": "target", "D": "drafter"}.get(role, role), fmt, run_dir)
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -83,7 +86,10 @@ def validate(job: JobConfig, target_config: dict, tokenizer) -> tuple[list[int],
                          f"drafter.block_size={job.drafter.block_size}: raise seq_len.")
     if job.drafter.num_anchors < 1:
         raise ValueError(f"drafter.num_anchors={job.drafter.num_anchors}: need at least 1.")
-    build_drafter_args(job.drafter, target_config, layer_ids, mask)  # raises on inconsistent shapes
+    try:
+        build_drafter_args(job.drafter, target_config, layer_ids, mask)
+    except ValueError as e:  # the model's own checks name its fields: say where they are set
+        raise ValueError(f"drafter config (drafter.*): {e}") from None
     return layer_ids, mask
 
 
@@ -121,9 +127,13 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
 
     topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
                          allow_no_target=job.transport.kind == "files")
-    setup_logging(rank, "T" if topo.role == "target" else "D")
+    setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
+    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(rank, world, timeout)
+    rundir.use_store(store)  # the run dir's claim and the one console line per fatal error agree through it
     backend = resolve_backend(job.topology.backend, device, local_world, job.transport.kind)
 
     target_path, tokenizer, target_config, layer_ids, mask_id = prepare(job)
@@ -133,12 +143,11 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
         log.warning("torchrun restart %d: resuming from the newest complete checkpoint (checkpoint.resume=auto)",
                     restart_count())
     job.checkpoint.resume = resume
+    run_id = rundir.claim(job, rank, resume)  # lock, ownership and run id, before any group
     ckpt.validate_resume(resume, job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints"),
                          topo.drafter_ranks, world)  # a missing or torn checkpoint fails before any group
 
-    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
+    dist.init_process_group(backend=backend, store=store, rank=rank,
                             world_size=world, timeout=timeout,
                             # device_id binds NCCL eagerly; with gloo it would make new_group split a
                             # gloo group, which torch 2.11 cannot (perform_nocolor_split)
@@ -153,9 +162,10 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                     f.write(OmegaConf.to_yaml(raw, resolve=True))
         ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype)
         ctx.stop = stop
+        ctx.run_id = run_id
         (run_target if topo.role == "target" else run_drafter)(ctx)
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
-        fail_fast(e, topo.role, rank)
+        rundir.fail(e, topo.role, rank)
     finally:
         dist.destroy_process_group()
 
@@ -166,7 +176,10 @@ register()
 @record
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(to_job(cfg), cfg)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # One console line per job, the traceback in the rank's log file.
+    with rundir.fatal_errors(lambda: attempt_store(rank, world, datetime.timedelta(seconds=60))):
+        run(to_job(cfg), cfg)
 
 
 if __name__ == "__main__":

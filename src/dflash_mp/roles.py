@@ -42,6 +42,7 @@ class RunContext:
         self.ckpt_root = job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints")
         self.graphs_after_warmup = 0
         self.stop = None  # resilience.StopSignal: SIGTERM -> checkpoint and a clean exit
+        self.run_id = None  # rundir.claim's: in checkpoint manifests, the export and scalar rows
 
     @property
     def slot_spec(self) -> SlotSpec:
@@ -99,7 +100,8 @@ def run_target(ctx: RunContext) -> None:
     with ExitStack() as stack:
         sender = build_transport(job.transport, topo, ctx.slot_spec)
         stack.callback(sender.close)
-        writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"))
+        writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"),
+                             ctx.run_id)
         stack.callback(writer.close)
         writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
         it = iter(stream)
@@ -203,7 +205,7 @@ def run_drafter(ctx: RunContext) -> None:
         if hasattr(receiver, "seek"):  # files: no target to re-position, the reader seeks itself
             receiver.seek(start)
         lead = topo.is_role_leader
-        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"))
+        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"), ctx.run_id)
         stack.callback(writer.close)
         bar = Progress(job.logging.progress and lead, num_steps, start, "drafter")
         stack.callback(bar.close)
@@ -253,7 +255,7 @@ def run_drafter(ctx: RunContext) -> None:
         if lead:
             out = os.path.join(job.run_dir, "export")
             export_drafter(trainer.objective.drafter, args, out, ctx.target_config,
-                           state=trainer.master_state_dict())
+                           state=trainer.master_state_dict(), run_id=ctx.run_id)
             log.info("exported drafter to %s", out)
 
 
@@ -323,7 +325,8 @@ def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int, fault=N
     dist.barrier(group=topo.drafter_cpu_group)
     if topo.is_role_leader:
         ckpt.commit(root, step, {"num_steps": num_steps, "world_size": topo.world_size,
-                                 "target_ranks": list(topo.target_ranks)}, ctx.job.checkpoint.keep)
+                                 "target_ranks": list(topo.target_ranks), "run_id": ctx.run_id},
+                    ctx.job.checkpoint.keep)
 
 
 def get_rng_state() -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from dflash_mp.batch import PackedBatch
-from dflash_mp.data.chat import load_conversations, tokenize_dataset
+from dflash_mp.data.chat import check_split, explain_skips, load_conversations, tokenize_dataset
 from dflash_mp.data.packing import pack_rows, plan_batches
 from dflash_mp.fsutil import file_lock
 
@@ -35,6 +35,9 @@ class DataConfig:
     max_rows: int = 0  # use only the first N rows (0 = all)
     eval_fraction: float = 0.0  # fraction of tokenized rows held out for evaluation (0 = none)
     pack_window: int = 8  # rows kept open while packing; 1 = next-fit, more = less padding
+    # Rows whose messages hold more characters are skipped (row_too_long) before they are rendered or
+    # tokenized: a multi-MB row would cost GBs of tokenizer memory to train on its first seq_len tokens.
+    max_row_chars: int = 1_000_000  # 0 = no limit
 
     def __post_init__(self):
         if self.seq_len < 16:
@@ -49,6 +52,9 @@ class DataConfig:
             raise ValueError(f"data.pack_window={self.pack_window}; use 1 (next-fit) or more")
         if not self.path:
             raise ValueError("data.path is empty; use a hub id, a local file/directory, or 'builtin:demo'")
+        if self.max_row_chars < 0:
+            raise ValueError(f"data.max_row_chars={self.max_row_chars}; use 0 (no limit) or a positive count")
+        check_split(self)
 
 
 def split_eval(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -168,6 +174,11 @@ def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,
     raw = load_conversations(cfg)
     with _tokenize_in_turn(raw):
         tokenized, skipped = tokenize_dataset(raw, tokenizer, cfg, vocab_limit)
+    if len(tokenized) < max(num_shards, 1):
+        skips = f"; rows skipped: {explain_skips(skipped)}" if skipped else ""
+        raise ValueError(f"data.path={cfg.path!r}: {len(tokenized)} usable rows of {len(raw)} cannot fill "
+                         f"{num_shards} target shard(s){skips}; fix the data or use fewer target ranks "
+                         "(topology.num_target_ranks)")
     if cfg.eval_fraction > 0:
         train, held_out = split_eval(tokenized, cfg.eval_fraction, cfg.seed)
         tokenized = train if part == "train" else held_out
