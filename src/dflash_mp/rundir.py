@@ -173,10 +173,12 @@ def fail(exc: BaseException, role: str = "", rank: int | None = None, run_dir: s
 
 
 @contextlib.contextmanager
-def fatal_errors(store_factory=None):
+def fatal_errors(store_factory=None, run_dir: str | None = None):
     """Around a rank's whole life: any exception ends it through `fail`. `store_factory` makes the
-    job's store for an error raised before the rank made it (a bad config)."""
+    job's store, `run_dir` places the log, for an error raised before the rank set them (a bad config)."""
     STATE.store_factory = store_factory
+    if run_dir:
+        STATE.extra["run_dir"] = os.path.abspath(run_dir)
     try:
         yield
     except Exception as e:  # noqa: BLE001
@@ -334,3 +336,19 @@ def _claim_as_owner(job, run_dir: str, resume: str) -> str:
             "argv": sys.argv[1:],
         })
     return rid
+
+
+def release() -> None:
+    """Drop this process's claim and rank log (in-process tools and tests that claim more than once;
+    a rank never needs it: its exit releases both)."""
+    if STATE.lock_fd is not None:
+        os.close(STATE.lock_fd)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and h.baseFilename == STATE.log_path:
+            root.removeHandler(h)
+            h.close()
+    if STATE.buffer is not None:
+        root.removeHandler(STATE.buffer)
+    STATE.lock_fd = STATE.run_id = STATE.log_path = STATE.buffer = None
+    STATE.extra.clear()
