@@ -129,8 +129,10 @@ def use_store(store) -> None:
 
 
 def _first_failure() -> bool:
-    if STATE.store is None and STATE.store_factory is not None:
-        with contextlib.suppress(Exception):  # not under torchrun: no store to agree through
+    # Only the torchrun agent's store outlives a failed rank 0; without it peers would wait to connect.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if STATE.store is None and STATE.store_factory is not None and agent_store:
+        with contextlib.suppress(Exception):
             STATE.store = STATE.store_factory()
     if STATE.store is None:
         return STATE.rank == 0
