@@ -129,7 +129,8 @@ def test_case1_a_fresh_run_over_another_runs_checkpoints_is_refused_and_loses_no
     assert len(console_failures(out)) == 1, out[-4000:]
     msg = console_failures(out)[0]
     msg = msg[0] or msg[1]
-    assert f"run_dir={run_dir}" in msg and "checkpoint.resume=auto" in msg and "checkpoint.overwrite=true" in msg
+    assert f"run_dir={run_dir}" in msg
+    assert "checkpoint.resume=auto" in msg and "checkpoint.overwrite=true" in msg
     assert no_package_traceback(out), out[-4000:]
     assert digest(f"{run_dir}/checkpoints") == before  # nothing pruned, nothing replaced
 
@@ -166,6 +167,19 @@ def test_overwrite_replaces_the_old_run_and_pruning_keeps_to_its_own_run(tmp_pat
         ckpt.save_file({"w": torch.ones(2)}, os.path.join(tmp, "drafter.pt"))
         ckpt.commit(root, step, {"num_steps": 12, "world_size": 3, "run_id": new}, keep=2)
     assert sorted(os.listdir(root)) == ["step_00000010", "step_00000012", "step_00000015", "step_00000020"]
+
+
+def test_the_export_carries_the_run_id(tmp_path):
+    from dflash_mp.export import export_drafter, load_exported
+    from dflash_mp.model import DFlashDrafter
+
+    from drafter_utils import tiny_args
+
+    args = tiny_args()
+    out = export_drafter(DFlashDrafter(args), args, tmp_path / "export", run_id="20260101-000000-abcdef")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()["dflash_run_id"] == "20260101-000000-abcdef"
+    load_exported(out)  # still the public layout
 
 
 HOLD = """
@@ -257,9 +271,10 @@ def test_case5_evaluate_on_a_training_checkpoint_points_at_the_export(tmp_path):
         evaluate(compose([]), EvalConfig(checkpoint=step))
     assert f"checkpoint={step} is a training checkpoint" in str(err.value)
     assert f"lives in {tmp_path / 'run' / 'export'}" in str(err.value)
-    out = subprocess.run([sys.executable, "-m", "dflash_mp.evaluate", f"checkpoint={step}"], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": SRC})
-    assert out.returncode == 1 and out.stderr.strip().startswith("error: checkpoint=") and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "dflash_mp.evaluate", f"checkpoint={step}"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("error: checkpoint=")
 
 
 def test_case5_resume_auto_says_in_one_line_that_it_starts_fresh(tmp_path, fresh_state, caplog):
@@ -301,7 +316,8 @@ def test_case6_an_oversized_row_is_skipped_before_tokenizing_with_bounded_memory
     src = os.path.join(SRC, "dflash_mp", "assets", "demo_chat.jsonl")
     rows = open(src).read().splitlines()[:8]
     path = str(tmp_path / "big.jsonl")
-    huge = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 800_000}]}
+    huge = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "word " * 800_000}]}
     with open(path, "w") as f:  # one 4 MB row among ordinary ones
         f.write("\n".join(rows[:4] + [json.dumps(huge)] + rows[4:]) + "\n")
     out = subprocess.run([sys.executable, "-c", BIG.format(src=SRC, path=path, limit=100_000)],

@@ -176,7 +176,7 @@ def check_export_dir(path: str, setting: str = "checkpoint") -> None:
     elif (p / "export").is_dir() or (p / "checkpoints").is_dir():
         run_dir, what = p, "a run directory"
     else:
-        what = "not a directory" if not p.is_dir() else f"a directory without {CONFIG_NAME} and {WEIGHTS_NAME}"
+        what = f"a directory without {CONFIG_NAME} and {WEIGHTS_NAME}" if p.is_dir() else "not a directory"
     hint = f"the export of that run lives in {run_dir / 'export'}: pass {setting}={run_dir / 'export'}" \
         if run_dir is not None else f"pass an export directory, e.g. {setting}=outputs/default/export"
     if run_dir is not None and not (run_dir / "export" / CONFIG_NAME).is_file():

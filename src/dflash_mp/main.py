@@ -178,7 +178,8 @@ register()
 def main(cfg: DictConfig) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # One console line per job, the traceback in the rank's log file.
-    with rundir.fatal_errors(lambda: attempt_store(rank, world, datetime.timedelta(seconds=60)), cfg.get("run_dir")):
+    store = lambda: attempt_store(rank, world, datetime.timedelta(seconds=60))  # noqa: E731
+    with rundir.fatal_errors(store, cfg.get("run_dir")):
         run(to_job(cfg), cfg)
 
 

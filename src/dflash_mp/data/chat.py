@@ -160,7 +160,8 @@ def _no_rows(path: str) -> ValueError:
 
 def explain_skips(skipped: Counter) -> str:
     """`reason=count (fix)` for every reason that rejected rows, most frequent first."""
-    return "; ".join(f"{reason}={n} ({SKIP_FIXES.get(reason, reason)})" for reason, n in skipped.most_common())
+    return "; ".join(f"{reason}={n} ({SKIP_FIXES.get(reason, reason)})"
+                     for reason, n in skipped.most_common())
 
 
 def load_conversations(cfg: "DataConfig") -> datasets.Dataset:

@@ -176,9 +176,10 @@ def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,
         tokenized, skipped = tokenize_dataset(raw, tokenizer, cfg, vocab_limit)
     if len(tokenized) < max(num_shards, 1):
         skips = f"; rows skipped: {explain_skips(skipped)}" if skipped else ""
+        fix = "fix the data" if not len(tokenized) else \
+            "use more data or fewer target ranks (topology.num_target_ranks)"
         raise ValueError(f"data.path={cfg.path!r}: {len(tokenized)} usable rows of {len(raw)} cannot fill "
-                         f"{num_shards} target shard(s){skips}; fix the data or use fewer target ranks "
-                         "(topology.num_target_ranks)")
+                         f"{num_shards} target shard(s){skips}; {fix}")
     if cfg.eval_fraction > 0:
         train, held_out = split_eval(tokenized, cfg.eval_fraction, cfg.seed)
         tokenized = train if part == "train" else held_out
