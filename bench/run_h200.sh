@@ -76,7 +76,7 @@ if has pipeline; then
     step pipeline_1p1 "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
         experiment=qwen3_8b target.path=builtin:random-qwen3-8b target.compile=false \
         data.path="$PIPE/long_chats.jsonl" train.max_steps=80 logging.log_every=10 logging.progress=false \
-        checkpoint.every=0 run_dir="$PIPE/run"
+        checkpoint.every=0 checkpoint.overwrite=true run_dir="$PIPE/run"  # a rerun replaces the last one
     cp "$PIPE/run/tb/drafter/scalars.jsonl" "$OUT/pipe_drafter_scalars.jsonl" 2>/dev/null
     cp "$PIPE/run/tb/target/scalars.jsonl" "$OUT/pipe_target_scalars.jsonl" 2>/dev/null
     cp "$PIPE/target_qwen3_8b.json" "$OUT/pipe_target_alone.json" 2>/dev/null

@@ -33,6 +33,8 @@ class CheckpointConfig:
     keep: int = 2  # newest complete checkpoints to keep; older ones are pruned
     resume: str = ""  # "" = fresh start | auto = newest complete checkpoint under dir, if any | a step dir
     dir: str = ""  # checkpoint root; "" = <run_dir>/checkpoints
+    # A fresh run refuses a run_dir holding another run's checkpoints or export; true deletes them.
+    overwrite: bool = False
 
 
 def step_name(step: int) -> str:
@@ -70,7 +72,7 @@ def commit(root: str, step: int, manifest: dict, keep: int) -> str:
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    prune(root, keep)
+    prune(root, keep, manifest.get("run_id"))
     return final
 
 
@@ -86,14 +88,18 @@ def complete_checkpoints(root: str) -> list[str]:
         try:
             read_manifest(path)
         except ValueError as e:
-            log.warning("skipping incomplete checkpoint: %s", e)
+            log.debug("skipping incomplete checkpoint: %s", e)  # rundir.claim says it once, on rank 0
             continue
         out.append(path)
     return out
 
 
-def prune(root: str, keep: int) -> None:
+def prune(root: str, keep: int, run_id: str | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints of run `run_id` (None: of any run); a checkpoint
+    of another run is never removed, whatever its step."""
     done = complete_checkpoints(root)
+    if run_id is not None:
+        done = [p for p in done if read_manifest(p).get("run_id") == run_id]
     for path in done[: max(len(done) - keep, 0)]:
         shutil.rmtree(path, ignore_errors=True)
     newest = int(_STEP_RE.match(os.path.basename(done[-1])).group(1)) if done else -1
@@ -112,7 +118,8 @@ def read_manifest(path: str) -> dict:
         raise ValueError(f"checkpoint {path} has no {MANIFEST} (incomplete write?): pick another "
                          "checkpoint or resume=auto to take the newest complete one.") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"checkpoint {path}: corrupt {MANIFEST} ({e}).") from None
+        raise ValueError(f"checkpoint {path}: corrupt {MANIFEST} ({e}): pick another checkpoint "
+                         "(checkpoint.resume) or resume=auto to take the newest complete one.") from None
     missing = [f for f in manifest.get("files", []) if not os.path.exists(os.path.join(path, f))]
     if missing:
         raise ValueError(f"checkpoint {path} is missing {missing}: pick another checkpoint.")
@@ -160,4 +167,5 @@ def load_file(path: str, name: str, map_location="cpu"):
     try:
         return torch.load(os.path.join(path, name), map_location=map_location, weights_only=False)
     except Exception as e:  # a torn or foreign file: name it, never crash deep inside torch
-        raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be loaded ({e}).") from None
+        raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be loaded ({e}): pick another "
+                         "checkpoint (checkpoint.resume) or start fresh (checkpoint.resume='').") from None

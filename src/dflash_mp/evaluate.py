@@ -238,13 +238,14 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
 def evaluate(job, cfg: EvalConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .export import exported_chat_template_kwargs, load_exported
+    from .export import check_export_dir, exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
     from .target import load_target_config, resolve_dtype, resolve_path
 
     if not cfg.checkpoint:
         raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
+    check_export_dir(cfg.checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(job.target.dtype, device)
     target_path = resolve_path(job.target)
@@ -323,4 +324,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a user error: its message names the setting and the fix
+        sys.exit(f"error: {e}")

@@ -139,10 +139,13 @@ def export_drafter(
     dtype: torch.dtype = torch.bfloat16,
     state: dict[str, torch.Tensor] | None = None,
     chat_template_kwargs: dict | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` (tensors cast to `dtype`) into `out_dir`.
 
     `state`: the weights to write (the trainer's fp32 master weights), else `drafter.state_dict()`.
+
+    `run_id`: the training run's id, kept in the safetensors metadata (`dflash_run_id`).
 
     An existing `out_dir` is replaced as a whole. Returns the final path.
     """
@@ -155,7 +158,8 @@ def export_drafter(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        meta = {"format": "pt", **({"dflash_run_id": run_id} if run_id else {})}
+        _write_synced(tmp / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=meta))
         _write_synced(tmp / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
         _write_synced(tmp / MODELING_NAME, lambda p: shutil.copyfile(MODELING_SOURCE, p))
         if out_dir.exists():
@@ -177,6 +181,27 @@ def exported_chat_template_kwargs(path: str | os.PathLike) -> dict | None:
     """The template options an export was trained with; None for exports that predate the record."""
     config = json.loads((Path(path) / CONFIG_NAME).read_text())
     return config.get("dflash_config", {}).get("chat_template_kwargs")
+
+
+def check_export_dir(path: str, setting: str = "checkpoint") -> None:
+    """ValueError naming `setting` and the export to use when `path` is not an export directory (a
+    training checkpoint, a run directory, or nothing)."""
+    if os.path.isfile(os.path.join(path, CONFIG_NAME)) and os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        return
+    p = Path(path).resolve()
+    run_dir = None
+    if (p / "manifest.json").is_file() or p.parent.name == "checkpoints":  # <run_dir>/checkpoints/step_N
+        run_dir = p.parent.parent
+        what = "a training checkpoint (optimizer state and rng, not an export)"
+    elif (p / "export").is_dir() or (p / "checkpoints").is_dir():
+        run_dir, what = p, "a run directory"
+    else:
+        what = f"a directory without {CONFIG_NAME} and {WEIGHTS_NAME}" if p.is_dir() else "not a directory"
+    hint = f"the export of that run lives in {run_dir / 'export'}: pass {setting}={run_dir / 'export'}" \
+        if run_dir is not None else f"pass an export directory, e.g. {setting}=outputs/default/export"
+    if run_dir is not None and not (run_dir / "export" / CONFIG_NAME).is_file():
+        hint += " (it has none yet: only a finished training run exports)"
+    raise ValueError(f"{setting}={path} is {what}; {hint}.")
 
 
 def load_exported(

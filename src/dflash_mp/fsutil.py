@@ -40,3 +40,17 @@ def file_lock(path: str):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def try_lock(path: str) -> int | None:
+    """Take an exclusive flock on `path` without waiting: the open descriptor (keep it open for as
+    long as the lock must hold; the kernel drops it when the process ends, however it ends), or None
+    when another process holds it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

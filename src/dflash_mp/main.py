@@ -20,18 +20,21 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
+from . import rundir
 from .config import CONF_DIR, JobConfig, register, to_job
 from .liveness import Liveness, peer_error
-from .resilience import StopSignal, effective_resume, fail_fast, restart_count
+from .resilience import StopSignal, effective_resume, restart_count
 from .topology import Topology
 from .transport import p2p_pairs
 
 log = logging.getLogger("dflash_mp")
 
 
-def setup_logging(rank: int, role: str) -> None:
+def setup_logging(rank: int, role: str, run_dir: str | None = None) -> None:
+    """Console, plus `<run_dir>/logs/rank_<rank>.log` from the run directory's claim on (rundir)."""
     fmt = f"[%(asctime)s {role}{rank} %(levelname)s %(name)s] %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    rundir.buffer_rank_log(rank, {"T": "target", "D": "drafter"}.get(role, role), fmt, run_dir)
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -88,7 +91,10 @@ def validate(job: JobConfig, target_config: dict, tokenizer) -> tuple[list[int],
                          f"drafter.block_size={job.drafter.block_size}: raise seq_len.")
     if job.drafter.num_anchors < 1:
         raise ValueError(f"drafter.num_anchors={job.drafter.num_anchors}: need at least 1.")
-    build_drafter_args(job.drafter, target_config, layer_ids, mask)  # raises on inconsistent shapes
+    try:
+        build_drafter_args(job.drafter, target_config, layer_ids, mask)
+    except ValueError as e:  # the model's own checks name its fields: say where they are set
+        raise ValueError(f"drafter config (drafter.*): {e}") from None
     return layer_ids, mask
 
 
@@ -122,15 +128,16 @@ def watcher_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"dflash_live_{restart_count()}", client)
 
 
-def init_distributed(job: JobConfig, topo: Topology, device: torch.device, backend: str, live) -> None:
+def init_distributed(job: JobConfig, topo: Topology, device: torch.device, backend: str, live,
+                     store=None, timeout: datetime.timedelta | None = None) -> None:
     """Default group, every process group of the topology, and their NCCL communicators.
 
     The default group is never bound to a device (`device_id`): see `Topology.init_groups`."""
     rank, world = topo.rank, topo.world_size
-    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    if timeout is None:
+        timeout = datetime.timedelta(seconds=job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0))
     live.phase("starting", "init_process_group")
-    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout), rank=rank,
+    dist.init_process_group(backend=backend, store=store or attempt_store(rank, world, timeout), rank=rank,
                             world_size=world, timeout=timeout)
     groups = "auto" if job.topology.backend == "auto" and device.type == "cuda" else backend
     t0 = time.monotonic()
@@ -151,9 +158,13 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
 
     topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
                          allow_no_target=job.transport.kind == "files")
-    setup_logging(rank, "T" if topo.role == "target" else "D")
+    setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
+    timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(rank, world, timeout)
+    rundir.use_store(store)  # the run dir's claim and the one console line per fatal error agree through it
     backend = resolve_backend(job.topology.backend, device, local_world, job.transport.kind)
     topo = dataclasses.replace(topo, gpus_per_node=torch.cuda.device_count() if device.type == "cuda" else 0)
     p2p_pairs(job.transport, topo)  # a transport the placement cannot carry fails before any group
@@ -165,6 +176,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
         log.warning("torchrun restart %d: resuming from the newest complete checkpoint (checkpoint.resume=auto)",
                     restart_count())
     job.checkpoint.resume = resume
+    run_id = rundir.claim(job, rank, resume)  # lock, ownership and run id, before any group
     ckpt.validate_resume(resume, job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints"),
                          topo.drafter_ranks, world)  # a missing or torn checkpoint fails before any group
 
@@ -172,7 +184,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     live = Liveness(watcher_store(datetime.timedelta(seconds=60)), rank, world, names, job.liveness,
                     job.transport.timeout_s).start()
     try:
-        init_distributed(job, topo, device, backend, live)
+        init_distributed(job, topo, device, backend, live, store, timeout)
         if rank == 0:
             log.info("topology: %s; backend %s; layers %s; mask token %d", topo.describe(), backend, layer_ids, mask_id)
             os.makedirs(job.run_dir, exist_ok=True)
@@ -182,6 +194,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
         ctx = RunContext(job, topo, device, target_path, target_config, layer_ids, mask_id, tokenizer, dtype,
                          live=live)
         ctx.stop = stop
+        ctx.run_id = run_id
         (run_target if topo.role == "target" else run_drafter)(ctx)
         live.done()
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
@@ -189,8 +202,8 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
             # A peer's death is often seen first as a closed connection: give the watcher the
             # time to name the rank at fault (it ends the process then).
             live.settle()
-        live.failed(f"{type(e).__name__}: {e}")
-        fail_fast(e, topo.role, rank)
+        live.failed(f"{topo.name(rank)} failed: {type(e).__name__}: {e}")
+        rundir.fail(e, topo.role, rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -202,7 +215,11 @@ register()
 @record
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(to_job(cfg), cfg)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # One console line per job, the traceback in the rank's log file.
+    store = lambda: attempt_store(rank, world, datetime.timedelta(seconds=60))  # noqa: E731
+    with rundir.fatal_errors(store, cfg.get("run_dir")):
+        run(to_job(cfg), cfg)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ class Writer:
     Custom Scalars tab groups per-slot acceptance, per-role throughput/MFU, comm and compile charts.
     """
 
-    def __init__(self, log_dir: str, tensorboard: bool):
+    def __init__(self, log_dir: str, tensorboard: bool, run_id: str | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(log_dir, exist_ok=True)
@@ -87,6 +87,7 @@ class Writer:
         self.jsonl = open(os.path.join(log_dir, "scalars.jsonl"), "a")
         self.row: dict[str, float] = {}
         self.layout_written = False
+        self.run_id = run_id  # every row names its run: rows of two runs in one file stay apart
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.tb.add_scalar(tag, value, step)
@@ -101,7 +102,8 @@ class Writer:
             self.tb.add_custom_scalars(dashboard_layout())
             self.layout_written = True
         if self.row:
-            self.jsonl.write(json.dumps(self.row) + "\n")
+            row = {"run_id": self.run_id, **self.row} if self.run_id else self.row
+            self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
             self.row = {}
         self.tb.flush()
@@ -112,9 +114,9 @@ class Writer:
         self.tb.close()
 
 
-def make_writer(enabled: bool, leader: bool, log_dir: str):
+def make_writer(enabled: bool, leader: bool, log_dir: str, run_id: str | None = None):
     """A real writer on the role leader, a null one elsewhere."""
-    return Writer(log_dir, enabled) if leader else NullWriter()
+    return Writer(log_dir, enabled, run_id) if leader else NullWriter()
 
 
 def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "mean") -> dict[str, float]:

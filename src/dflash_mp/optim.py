@@ -245,7 +245,8 @@ class FlatAdamW:
             for view, name in zip(self._views(self.master), self.names):
                 if master[name].shape != view.shape:
                     raise ValueError(f"checkpoint tensor {name} has shape {tuple(master[name].shape)}, the "
-                                     f"drafter {tuple(view.shape)}: the drafter config differs from the run's")
+                                     f"drafter {tuple(view.shape)}: the drafter config differs from the run's; "
+                                     "resume with the drafter.* settings of the run that wrote it")
                 view.copy_(master[name])
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 getattr(self, k).copy_(state[k])

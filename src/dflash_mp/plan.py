@@ -151,7 +151,7 @@ def all_shared(world: int, t: float, d: float, efficiency: float = 0.9) -> Layou
 def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
     """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs)."""
     if world < 2:
-        raise ValueError(f"world_size={world}: a split needs at least 2 GPUs.")
+        raise ValueError(f"world_size={world}: a split needs at least 2 GPUs; plan for 2 or more.")
     if t <= 0 or d <= 0:
         raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
     layouts = whole_splits(world, t, d) + shared_splits(world, t, d, efficiency) + [all_shared(world, t, d, efficiency)]

@@ -270,4 +270,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a user error: its message names the setting and the fix
+        sys.exit(f"error: {e}")

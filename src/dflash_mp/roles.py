@@ -46,6 +46,7 @@ class RunContext:
         self.stop = None  # resilience.StopSignal: SIGTERM -> checkpoint and a clean exit
         self.watcher = live  # liveness.Liveness where one runs: it bounds every wait on a peer
         self.live = live or NullLiveness()  # this rank's phase, for the watchers of every rank
+        self.run_id = None  # rundir.claim's: in checkpoint manifests, the export and scalar rows
 
     @property
     def slot_spec(self) -> SlotSpec:
@@ -106,7 +107,8 @@ def run_target(ctx: RunContext) -> None:
     with ExitStack() as stack:
         sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.watcher)
         stack.callback(sender.close)
-        writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"))
+        writer = make_writer(job.logging.tensorboard, topo.is_role_leader, os.path.join(job.run_dir, "tb", "target"),
+                             ctx.run_id)
         stack.callback(writer.close)
         writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
         it = iter(stream)
@@ -221,7 +223,7 @@ def run_drafter(ctx: RunContext) -> None:
         if hasattr(receiver, "seek"):  # files: no target to re-position, the reader seeks itself
             receiver.seek(start)
         lead = topo.is_role_leader
-        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"))
+        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"), ctx.run_id)
         stack.callback(writer.close)
         bar = Progress(job.logging.progress and lead, num_steps, start, "drafter")
         stack.callback(bar.close)
@@ -286,7 +288,7 @@ def run_drafter(ctx: RunContext) -> None:
         if lead:
             out = os.path.join(job.run_dir, "export")
             export_drafter(trainer.objective.drafter, args, out, ctx.target_config,
-                           state=trainer.master_state_dict(),
+                           state=trainer.master_state_dict(), run_id=ctx.run_id,
                            chat_template_kwargs=job.data.chat_template_kwargs)
             log.info("exported drafter to %s", out)
 
@@ -366,7 +368,8 @@ def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int, fault=N
     dist.barrier(group=topo.drafter_cpu_group)
     if topo.is_role_leader:
         ckpt.commit(root, step, {"num_steps": num_steps, "world_size": topo.world_size,
-                                 "target_ranks": list(topo.target_ranks)}, ctx.job.checkpoint.keep)
+                                 "target_ranks": list(topo.target_ranks), "run_id": ctx.run_id},
+                    ctx.job.checkpoint.keep)
 
 
 def get_rng_state() -> dict:

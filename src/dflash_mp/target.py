@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,25 @@ def resolve_path(cfg: TargetConfig) -> str:
         from .demo import resolve_target_path
 
         return resolve_target_path(cfg.path, os.path.expanduser(cfg.cache_dir) if cfg.cache_dir else None)
-    return cfg.path
+    return check_model_path(cfg.path, "target.path")
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name, or a legacy bare name
+
+
+def check_model_path(path: str, setting: str) -> str:
+    """`path` if it is a model directory or could be a hub repo id; else a ValueError naming `setting`
+    (rather than the hub client's "Repo id must be in the form ..." about a path that is not there)."""
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise ValueError(f"{setting}={path!r} is a directory without config.json: point it at a Hugging "
+                             "Face model directory (config.json, weights, tokenizer files).")
+        return local
+    if os.path.exists(local) or not _REPO_ID.match(path):
+        raise ValueError(f"{setting}={path!r} is not a model directory (no such directory) nor a hub repo id "
+                         "(owner/name): fix the path, or use a builtin such as builtin:tiny-qwen3.")
+    return path
 
 
 def load_target_config(path: str) -> dict:
@@ -130,7 +149,8 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
             if name in f.keys():
                 out[name] = f.get_tensor(name)
     if "model.embed_tokens.weight" not in out:
-        raise ValueError(f"target at {path} has no model.embed_tokens.weight in its safetensors files.")
+        raise ValueError(f"target.path={path}: no model.embed_tokens.weight in its safetensors files; point "
+                         "target.path at a full Hugging Face checkpoint of a decoder LM.")
     embed = out["model.embed_tokens.weight"]
     head = out.get("lm_head.weight", embed)  # tied embeddings
     return embed.to(device, dtype), head.to(device, dtype)
@@ -183,7 +203,8 @@ def sliding_window_of(config) -> int | None:
         return None
     window = getattr(config, "sliding_window", None)
     if not window:
-        raise ValueError(f"the target has sliding_attention layers but sliding_window={window!r} in its config")
+        raise ValueError(f"the target has sliding_attention layers but sliding_window={window!r} in its "
+                         "config.json: set sliding_window there (or check target.path).")
     return int(window)
 
 

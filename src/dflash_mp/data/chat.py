@@ -66,8 +66,34 @@ SKIP_REASONS = (
     "invalid_unicode", "no_assistant", "bad_tool_calls",  # its messages
     "unfinished_reply",  # a reply the model never ended (data.unfinished=drop)
     "template_error", "assistant_not_rendered", "no_supervised_tokens", "token_out_of_vocab",  # tokenisation
+    "row_too_long",  # over data.max_row_chars: refused before it is parsed or tokenized
 )
 UNFINISHED = ("drop", "keep_open")
+# What to do when a reason rejects rows (named in the error when no usable row is left).
+SKIP_FIXES = {
+    "invalid_utf8": "the file is not UTF-8 text (binary?): point data.path at a chat .jsonl",
+    "invalid_json": "lines are not JSON: point data.path at a .jsonl with one JSON object per line",
+    "row_not_object": "rows are not JSON objects: each line must be {\"messages\": [...]}",
+    "missing_field": "rows have no 'messages' or 'conversations' field: set data.messages_field to the "
+                     "column holding the conversation",
+    "not_a_list": "the conversation field is not a list of messages: set data.messages_field",
+    "empty": "conversations are empty lists",
+    "message_not_dict": "messages are not {\"role\", \"content\"} objects",
+    "missing_role": "messages have no 'role' (or ShareGPT 'from')",
+    "unknown_role": f"roles must be one of {sorted(ROLES)}",
+    "content_not_string": "message content is not a string",
+    "invalid_unicode": "message content holds lone surrogates",
+    "no_assistant": "no assistant reply with content (user turns only?): the drafter learns from the "
+                    "target's replies; add them with `python -m dflash_mp.regenerate`",
+    "template_error": "the target's chat template rejects the conversations (e.g. roles must alternate)",
+    "assistant_not_rendered": "the chat template does not render the assistant replies as given",
+    "no_supervised_tokens": "assistant replies render to no tokens",
+    "token_out_of_vocab": "tokens fall outside the target's vocabulary: the tokenizer and target.path "
+                          "disagree (use the target's own tokenizer)",
+    "row_too_long": "rows are longer than data.max_row_chars: raise it (or 0 for no limit)",
+    "unfinished_reply": "replies were cut off (regenerate's max_new_tokens): raise it and regenerate, or "
+                        "set data.unfinished=keep_open",
+}
 
 
 class BadRow(Exception):
@@ -85,7 +111,7 @@ class BadRow(Exception):
 
 def _local_files(path: str) -> tuple[list[str], str]:
     if not os.path.exists(path):
-        raise ValueError(f"data path {path!r} does not exist; pass an existing .json/.jsonl/.parquet file "
+        raise ValueError(f"data.path={path!r} does not exist; pass an existing .json/.jsonl/.parquet file "
                          "or directory, a hub dataset id, or 'builtin:demo'")
     if os.path.isfile(path):
         files = [path]
@@ -93,12 +119,13 @@ def _local_files(path: str) -> tuple[list[str], str]:
         files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names
                        if os.path.splitext(f)[1] in FORMATS)
         if not files:
-            raise ValueError(f"data directory {path!r} holds no .json/.jsonl/.parquet files")
+            raise ValueError(f"data.path={path!r} is a directory with no .json/.jsonl/.parquet files: point "
+                             "it at the data files or their directory")
     formats = {FORMATS.get(os.path.splitext(f)[1]) for f in files}
     if None in formats:
-        raise ValueError(f"data file {path!r} has an unknown extension; use .json, .jsonl or .parquet")
+        raise ValueError(f"data.path={path!r} has an unknown extension; use .json, .jsonl or .parquet")
     if len(formats) > 1:
-        raise ValueError(f"data directory {path!r} mixes json and parquet files; keep one format per "
+        raise ValueError(f"data.path={path!r} mixes json and parquet files; keep one format per "
                          "directory")
     return files, formats.pop()
 
@@ -135,38 +162,64 @@ def _read_json_tolerant(files: list[str]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({RAW_COLUMN: docs})
 
 
+def is_local(path: str) -> bool:
+    """Whether `data.path` names local data (else a hub dataset id)."""
+    return path == BUILTIN_DATA or os.path.exists(path) or path.startswith((".", "/", "~")) \
+        or os.path.splitext(path)[1] in FORMATS
+
+
+def _no_rows(path: str) -> ValueError:
+    return ValueError(f"data.path={path!r} holds no rows (an empty file?): point data.path at a chat "
+                      ".jsonl with one {\"messages\": [...]} object per line")
+
+
+def explain_skips(skipped: Counter) -> str:
+    """`reason=count (fix)` for every reason that rejected rows, most frequent first."""
+    return "; ".join(f"{reason}={n} ({SKIP_FIXES.get(reason, reason)})"
+                     for reason, n in skipped.most_common())
+
+
 def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
     """The raw conversation rows named by `cfg.path` (local files, 'builtin:demo', or a hub id).
 
     Local files form the "train" split; `cfg.split` may slice it ("train[:90%]").
     """
     path = cfg.path
-    local = path == BUILTIN_DATA or os.path.exists(path) or path.startswith((".", "/", "~")) \
-        or os.path.splitext(path)[1] in FORMATS
+    local = is_local(path)
     if not local:
         ds = datasets.load_dataset(path, split=cfg.split)
     else:
-        if not cfg.split.startswith("train"):
-            raise ValueError(f"data.split={cfg.split!r}: local files only have a 'train' split "
-                             "(slices such as 'train[:90%]' work)")
+        check_split(cfg)
         if path == BUILTIN_DATA:
             files, fmt = [demo_data_path()], "json"
         else:
             files, fmt = _local_files(os.path.expanduser(path))
+            if all(os.path.getsize(f) == 0 for f in files):
+                raise _no_rows(path)
         try:
             ds = datasets.load_dataset(fmt, data_files={"train": files}, split=cfg.split)
             if fmt == "json" and _unaddressable_fields(ds.data.schema):
                 raise ValueError("field names that datasets cannot address")
-        except (datasets.exceptions.DatasetGenerationError, ValueError, KeyError):
-            # KeyError: datasets' own schema handling fails on some odd keys while loading
+        except (datasets.exceptions.DatasetGenerationError, ValueError, KeyError, StopIteration):
+            # KeyError: datasets' own schema handling fails on some odd keys while loading;
+            # StopIteration: its json reader on an empty first file
             if fmt != "json":
                 raise
             # Rows with clashing types, broken lines or odd keys: judge each row separately.
             log.warning("%s: rows do not parse as one Arrow table; reading them one by one", path)
             ds = _read_json_tolerant(files)
+    if len(ds) == 0:
+        raise _no_rows(path)
     if cfg.max_rows:
         ds = ds.select(range(min(cfg.max_rows, len(ds))))
     return ds
+
+
+def check_split(cfg: "DataConfig") -> None:
+    """Local files hold one "train" split: checked from the config alone, before any process group."""
+    if is_local(cfg.path) and not cfg.split.startswith("train"):
+        raise ValueError(f"data.split={cfg.split!r}: local files only have a 'train' split "
+                         "(slices such as 'train[:90%]' work)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +385,7 @@ class ChatEncoder:
     """
 
     def __init__(self, tokenizer, vocab_limit: int | None = None, messages_field: str = "messages",
-                 chat_template_kwargs: dict | None = None, unfinished: str = "drop"):
+                 chat_template_kwargs: dict | None = None, unfinished: str = "drop", max_row_chars: int = 0):
         if not tokenizer.is_fast:
             raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer; the loss mask needs a fast "
                              "tokenizer's offset mapping (load it with use_fast=True)")
@@ -348,6 +401,7 @@ class ChatEncoder:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.unfinished = unfinished
         self.header, self.end_marker, self.prompt_tail = self._assistant_markers()
+        self.max_row_chars = max_row_chars  # 0: no limit
         self.special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
@@ -476,7 +530,13 @@ class ChatEncoder:
         return ids, mask
 
     def encode_row(self, row: dict) -> tuple[list[int], list[int]]:
-        return self.encode_messages(raw_messages(row, self.messages_field), tools=row_tools(row))
+        limit = self.max_row_chars
+        if limit and RAW_COLUMN in row and len(row[RAW_COLUMN]) > limit:  # before parsing it
+            raise BadRow("row_too_long")
+        messages = raw_messages(row, self.messages_field)
+        if limit and isinstance(messages, list) and _text_chars(messages) > limit:  # before rendering it
+            raise BadRow("row_too_long")
+        return self.encode_messages(messages, tools=row_tools(row))
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "loss_mask": [], "skip_reason": []}
@@ -490,6 +550,16 @@ class ChatEncoder:
             out["loss_mask"].append(mask)
             out["skip_reason"].append(reason)
         return out
+
+
+def _text_chars(messages: list) -> int:
+    total = 0
+    for m in messages:
+        if isinstance(m, dict):
+            for key in ("content", "value"):
+                if isinstance(m.get(key), str):
+                    total += len(m[key])
+    return total
 
 
 def tokenize_conversation(tokenizer, messages, vocab_limit: int | None = None, tools: list | None = None,
@@ -509,7 +579,8 @@ def tokenize_dataset(ds: datasets.Dataset, tokenizer, cfg: "DataConfig",
 
     `vocab_limit` is the number of embedding rows of the target (default: `len(tokenizer)`).
     """
-    encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field, cfg.chat_template_kwargs, cfg.unfinished)
+    encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field, cfg.chat_template_kwargs, cfg.unfinished,
+                          cfg.max_row_chars)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     fingerprint = Hasher.hash([ds._fingerprint, _SOURCE_HASH, encoder])
     out = ds.map(encoder, batched=True, batch_size=256, remove_columns=ds.column_names,

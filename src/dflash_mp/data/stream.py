@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from dflash_mp.batch import PackedBatch
-from dflash_mp.data.chat import load_conversations, tokenize_dataset
+from dflash_mp.data.chat import check_split, explain_skips, load_conversations, tokenize_dataset
 from dflash_mp.data.packing import pack_rows, plan_batches
 from dflash_mp.fsutil import file_lock
 
@@ -41,6 +41,9 @@ class DataConfig:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     unfinished: str = "drop"  # replies the model never ended (cut by max_new_tokens, open <think>):
     #   drop (skip the row) | keep_open (supervise the reply, not an end-of-turn token it never wrote)
+    # Rows whose messages hold more characters are skipped (row_too_long) before they are rendered or
+    # tokenized: a multi-MB row would cost GBs of tokenizer memory to train on its first seq_len tokens.
+    max_row_chars: int = 1_000_000  # 0 = no limit
 
     def __post_init__(self):
         if self.seq_len < 16:
@@ -57,6 +60,9 @@ class DataConfig:
             raise ValueError(f"data.unfinished={self.unfinished!r}: use drop or keep_open")
         if not self.path:
             raise ValueError("data.path is empty; use a hub id, a local file/directory, or 'builtin:demo'")
+        if self.max_row_chars < 0:
+            raise ValueError(f"data.max_row_chars={self.max_row_chars}; use 0 (no limit) or a positive count")
+        check_split(self)
 
 
 def split_eval(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -176,6 +182,12 @@ def build_stream(cfg: DataConfig, tokenizer, shard_index: int, num_shards: int,
     raw = load_conversations(cfg)
     with _tokenize_in_turn(raw):
         tokenized, skipped = tokenize_dataset(raw, tokenizer, cfg, vocab_limit)
+    if len(tokenized) < max(num_shards, 1):
+        skips = f"; rows skipped: {explain_skips(skipped)}" if skipped else ""
+        fix = "fix the data" if not len(tokenized) else \
+            "use more data or fewer target ranks (topology.num_target_ranks)"
+        raise ValueError(f"data.path={cfg.path!r}: {len(tokenized)} usable rows of {len(raw)} cannot fill "
+                         f"{num_shards} target shard(s){skips}; {fix}")
     if cfg.eval_fraction > 0:
         train, held_out = split_eval(tokenized, cfg.eval_fraction, cfg.seed)
         tokenized = train if part == "train" else held_out

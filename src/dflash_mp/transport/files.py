@@ -71,7 +71,8 @@ class FilesReceiver:
         self.manifest = m
         self.index = batch_index(m)
         if not self.index:
-            raise ValueError(f"the dump in {files_dir} holds no batches.")
+            raise ValueError(f"transport.files_dir={files_dir}: the dump holds no batches; rerun the dump "
+                             "with data that yields at least one batch.")
         self.spec = spec
         self.me, self.num = topology.role_rank, topology.role_size
         self._seed = int(m.get("data", {}).get("seed", 0))
