@@ -7,3 +7,17 @@ export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 # Compiled kernels persist across runs: a cold start spends ~4 min compiling (BENCHMARKS.md).
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/dflash_mp/inductor}"
+
+# Run the torchrun agent in a session of its own and pass SIGTERM / SIGINT (a scheduler's stop,
+# Ctrl-C) to its workers instead: they agree on a stop step, write a checkpoint and exit 0, so the
+# agent and this script exit 0. torchrun signalled itself tears its workers down and exits 1.
+run_agent() {
+    setsid "$@" &
+    local agent=$! rc
+    stop_workers() { pkill -TERM -P "$agent" 2>/dev/null || kill -TERM "$agent" 2>/dev/null; }
+    trap stop_workers TERM INT
+    while true; do
+        wait "$agent" && rc=0 || rc=$?  # (set -e must not end the script on an interrupted wait)
+        kill -0 "$agent" 2>/dev/null || return "$rc"  # a trapped signal ends `wait` early: wait again
+    done
+}

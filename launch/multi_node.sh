@@ -16,6 +16,6 @@ NPROC="${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 [ "$NPROC" -ge 1 ] || NPROC=2
 # TORCHRUN may name another launcher command, e.g. "python -m torch.distributed.run".
 read -r -a LAUNCHER <<< "${TORCHRUN:-torchrun}"
-exec "${LAUNCHER[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
+run_agent "${LAUNCHER[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-dflash_mp}" \
     -m dflash_mp.main "$@"

@@ -6,4 +6,4 @@ set -euo pipefail
 source "$(dirname "$0")/env.sh"
 NPROC="${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 [ "$NPROC" -ge 2 ] || NPROC=2
-exec torchrun --standalone --nproc-per-node "$NPROC" -m dflash_mp.main "$@"
+run_agent torchrun --standalone --nproc-per-node "$NPROC" -m dflash_mp.main "$@"

@@ -113,7 +113,10 @@ class StopSignal:
         """Main thread only. Later handlers that chain to this one (the shm transport's) are fine."""
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
+        # SIGINT too: Ctrl-C at the console reaches every worker; it stops them like SIGTERM, with a
+        # checkpoint, instead of a KeyboardInterrupt traceback per rank. A second Ctrl-C exits at once.
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, name="dflash-stop-watchdog", daemon=True).start()
         return self
@@ -124,19 +127,30 @@ class StopSignal:
     def _watch(self) -> None:
         # The C-level handler writes the signal number to the wakeup fd even while the main thread
         # is blocked in C++ (it runs the Python handler only when it returns to the interpreter).
+        wanted = (signal.SIGTERM, signal.SIGINT)
         while True:
             data = os.read(self._rfd, 64)
-            if signal.SIGTERM in data:
+            got = [s for s in wanted if s in data]
+            if got:
                 break
         self.received_at = time.monotonic()
         self.event.set()
-        log.warning("SIGTERM: stopping at the next agreed step with a checkpoint; hard exit in %.0f s",
-                    self.grace_s)
+        log.warning("%s: stopping at the next agreed step with a checkpoint; hard exit in %.0f s",
+                    signal.Signals(got[0]).name, self.grace_s)
+        threading.Thread(target=self._second_interrupt, name="dflash-second-sigint", daemon=True).start()
         time.sleep(self.grace_s)
-        log.error("did not stop within train.stop_grace_s=%.0f s after SIGTERM (stuck on a peer?): exiting",
+        log.error("did not stop within train.stop_grace_s=%.0f s after the signal (stuck on a peer?): exiting",
                   self.grace_s)
         _flush()
         os._exit(1)
+
+
+    def _second_interrupt(self) -> None:
+        while signal.SIGINT not in os.read(self._rfd, 64):
+            pass
+        log.error("second interrupt: exiting now, without a checkpoint")
+        _flush()
+        os._exit(130)
 
 
 class StopAgreement:
