@@ -45,8 +45,8 @@ class LivenessConfig:
     stale_s: float = 0.0
     # Bounds of the busy phases (seconds): a rank longer in one is stuck. Sized for a 27B target on a
     # cold node: weights from network storage, a cold Inductor compile of every graph.
-    starting_s: float = 900.0  # process groups, transport set-up, data tokenizing
-    loading_s: float = 3600.0  # target weights, the drafter's frozen head
+    starting_s: float = 900.0  # process groups, communicators, transport set-up
+    loading_s: float = 3600.0  # data tokenizing, target weights, the drafter's frozen head
     compiling_s: float = 2400.0  # first steps of a role: torch.compile, autotuning, CUDA graph capture
     checkpointing_s: float = 1800.0
     evaluating_s: float = 3600.0

@@ -88,7 +88,7 @@ def run_target(ctx: RunContext) -> None:
     from .target import TargetWorker
 
     job, topo, live = ctx.job, ctx.topo, ctx.live
-    live.phase("starting", "tokenizing data")
+    live.phase("loading", "tokenizing data")
     stream = build_stream(job.data, ctx.tokenizer, topo.role_rank, topo.role_size,
                           vocab_limit=ctx.target_config["vocab_size"])
     num_steps = agree_num_steps(ctx, stream.batches_per_epoch(0))
