@@ -1,5 +1,5 @@
-"""File-system helpers shared by processes of one machine: an inter-process lock and a directory
-written atomically."""
+"""Helpers shared by processes of one machine: an inter-process lock, a directory written atomically,
+and whether a process is still alive."""
 
 from __future__ import annotations
 
@@ -54,3 +54,18 @@ def try_lock(path: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Same-node liveness; a zombie (killed, not yet reaped) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True  # no /proc: os.kill already said it exists

@@ -31,6 +31,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .fsutil import pid_alive
+
 log = logging.getLogger(__name__)
 
 BUSY = ("starting", "loading", "compiling", "checkpointing", "evaluating")
@@ -53,16 +55,6 @@ class LivenessConfig:
 
 
 _HOST = socket.gethostname()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _IMPORTED = time.monotonic()
@@ -250,7 +242,7 @@ class Liveness:
             if b["phase"] == DONE:
                 continue
             if r != self.rank:
-                if b.get("host") == _HOST and not _pid_alive(b.get("pid", 0)):
+                if b.get("host") == _HOST and not pid_alive(b.get("pid", 0)):
                     return f"{self.describe(r, b)} died (pid {b['pid']} is gone)"
                 count, since, ticks = self._seen.get(r, (None, now, self._ticks))
                 if count != b["n"]:

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_mp.batch import FLAG_END_OF_DATA, HiddenBatch
+from dflash_mp.fsutil import pid_alive
 from dflash_mp.transport.base import (
     RecvChannel,
     SendChannel,
@@ -134,21 +135,6 @@ def unlink_segment(name: str) -> None:
     if not _created and threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGTERM) is _on_sigterm:
             signal.signal(signal.SIGTERM, _prev_sigterm if _prev_sigterm is not None else signal.SIG_DFL)
-
-
-def pid_alive(pid: int) -> bool:
-    """Same-node liveness; a zombie (killed, not yet reaped) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return True  # no /proc: os.kill already said it exists
 
 
 def _creator_pid(name: str, prefix: str, cuda_ipc: bool) -> int | None:
