@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from . import compile_cache
 from .config import JobConfig
 from .flops import DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops, target_forward_flops
 from .compile_stats import counts as compile_counts
@@ -97,6 +98,11 @@ def run_target(ctx: RunContext) -> None:
     live.phase("loading", "target weights")
     worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                job.target.attn_implementation, job.target.compile)
+    compiled = job.target.compile and ctx.device.type == "cuda"
+    cache_path = compile_cache.artifact_path(job.run_dir, "target", ctx.device)
+    if compiled:
+        live.phase("loading", "compile cache")
+        compile_cache.load(cache_path)
     live.phase("starting", "transport")
     tc = ctx.target_config
     fwd_flops = lambda pb: target_forward_flops(  # noqa: E731
@@ -130,6 +136,8 @@ def run_target(ctx: RunContext) -> None:
                 if step == start and tokens == 0:  # the first forward compiles: busy, not silent
                     with live.during("compiling", "target forward"):
                         hb = worker.forward(pb)
+                        if compiled and topo.is_role_leader:
+                            compile_cache.save(cache_path)
                     startup_s = process_age_s()
                     log.info("first target forward done %.1f s after the process started", startup_s)
                     writer.add_scalar("time/startup_s", startup_s, step + 1)
@@ -229,6 +237,11 @@ def run_drafter(ctx: RunContext) -> None:
         stack.callback(bar.close)
         if lead:
             writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
+        compiled = trainer.mode != "eager"
+        cache_path = compile_cache.artifact_path(job.run_dir, "drafter", ctx.device)
+        if compiled:  # graphs another rank, node or attempt compiled: looked up instead of compiled
+            with live.during("loading", "compile cache"):
+                compile_cache.load(cache_path)
         ctx.graphs_after_warmup = compile_counts()["graphs"]  # also starts counting CUDA graph recordings
         t0, wait_s, last_logged, log_ms = time.perf_counter(), 0.0, start, None
         fault = fault_from_env()
@@ -251,14 +264,15 @@ def run_drafter(ctx: RunContext) -> None:
                     if done == start + 1:
                         slow_compile_for_tests()
                     lr = trainer.train_step(hb, timed=logs)
+                    ctx.graphs_after_warmup = compile_counts()["graphs"]
+                    if done - start == WARMUP_STEPS and lead and compiled:  # everything is compiled now
+                        compile_cache.save(cache_path)
                 if done == start + 1:
                     startup_s = process_age_s()
                     log.info("first drafter step done %.1f s after the process started", startup_s)
                     writer.add_scalar("time/startup_s", startup_s, done)
             else:
                 lr = trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
-            if done - start <= WARMUP_STEPS:  # first forward/backward compile; graphs record on the next calls
-                ctx.graphs_after_warmup = compile_counts()["graphs"]
             if logs:
                 receiver_verify(receiver)
                 tl = time.perf_counter()
