@@ -148,3 +148,15 @@ def test_a_frozen_rank_ends_every_other_rank_within_the_bound_naming_it(tmp_path
         assert any(name in ln and ("dead or frozen" in ln or "no data" in ln or "no credit" in ln)
                    for ln in lines), (r, out[-4000:])
     assert _shm_of(pids) == []
+
+
+@pytest.mark.slow
+def test_a_killed_drafter_is_named_by_every_survivor(tmp_path):
+    # kill -9 drafter rank 2 mid-run: the target and drafter 1 both name rank 2, not the channel or
+    # collective that happened to close first.
+    proc = start(3, LIVE + [f"run_dir={tmp_path}", "train.max_steps=40"], fault="2:4:kill")
+    rc, out, _ = finish(proc, timeout=120)
+    assert rc != 0
+    for who in ("target rank 0", "drafter rank 1"):
+        lines = [ln for ln in out.splitlines() if f"{who} failed" in ln]
+        assert any("drafter rank 2" in ln and "died" in ln for ln in lines), (who, out[-4000:])
