@@ -54,3 +54,11 @@ def test_a_fresh_process_loads_what_another_compiled_and_saved(tmp_path):
     # Without the artifacts the same fresh start compiles.
     cold = compile_in_a_new_process(tmp_path, "none", path, "cache_c")
     assert cold.get("fxgraph_cache_miss", 0) >= 1 and cold.get("fxgraph_cache_hit", 0) == 0, cold
+
+
+def test_an_unreadable_artifact_file_means_compiling_not_failing(tmp_path):
+    path = compile_cache.artifact_path(str(tmp_path), "target", torch.device("cpu"))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"not a cache")
+    assert compile_cache.load(path) is False

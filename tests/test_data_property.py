@@ -67,8 +67,9 @@ def encoder():
 
 
 def masked_runs(tok, ids, mask):
+    """Decoded text of every maximal run of supervised tokens."""
     runs, cur = [], []
-    for i, m in zip(ids + [None], mask + [0]):
+    for i, m in zip(list(ids) + [None], list(mask) + [0]):
         if m:
             cur.append(i)
         elif cur:

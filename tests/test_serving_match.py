@@ -11,6 +11,8 @@ import torch
 from dflash_mp.data import ChatEncoder, DataConfig, build_stream, load_conversations, tokenize_dataset
 from dflash_mp.demo import build_demo_tokenizer, demo_texts
 
+from test_data_property import masked_runs
+
 END = "<|im_end|>"
 HEADER = "<|im_start|>assistant\n"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -64,18 +66,6 @@ def tok():
     t = build_demo_tokenizer(demo_texts())
     t.chat_template = QWEN3_STYLE
     return t
-
-
-def masked_runs(tok, ids, mask):
-    """Decoded text of every maximal run of supervised tokens."""
-    runs, cur = [], []
-    for i, m in zip(list(ids) + [None], list(mask) + [0]):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    return runs
 
 
 def assistant_bodies(text: str, thinking_off: bool) -> list[str]:

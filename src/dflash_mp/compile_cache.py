@@ -28,27 +28,37 @@ def artifact_path(run_dir: str, role: str, device: torch.device) -> str:
 
 
 def load(path: str) -> bool:
-    """Pre-fill this process's compile caches from `path`; False when there is no such file."""
+    """Pre-fill this process's compile caches from `path`; False when there is no such file or it
+    cannot be read (a cache never stops a run: the graphs are compiled instead)."""
     if not os.path.isfile(path):
         return False
     t0 = time.monotonic()
-    with open(path, "rb") as f:
-        data = f.read()
-    torch.compiler.load_cache_artifacts(data)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        torch.compiler.load_cache_artifacts(data)
+    except Exception as e:  # noqa: BLE001 - e.g. written by another torch build: compile instead
+        log.warning("compile cache: could not load %s (%s: %s); compiling instead", path, type(e).__name__, e)
+        return False
     log.info("compile cache: loaded %.1f MB of compiled artifacts from %s in %.1f s",
              len(data) / 1e6, path, time.monotonic() - t0)
     return True
 
 
 def save(path: str) -> bool:
-    """Write what this process compiled so far to `path` (atomically); False when nothing was."""
-    art = torch.compiler.save_cache_artifacts()
-    if art is None or not art[0]:
+    """Write what this process compiled so far to `path` (atomically); False when nothing was or the
+    write failed (logged: the run goes on, later starts compile again)."""
+    try:
+        art = torch.compiler.save_cache_artifacts()
+        if art is None or not art[0]:
+            return False
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(art[0])
+        os.replace(tmp, path)  # readers never see half a file
+    except Exception as e:  # noqa: BLE001 - a cache is an optimisation, never a reason to stop training
+        log.warning("compile cache: could not save %s (%s: %s)", path, type(e).__name__, e)
         return False
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(art[0])
-    os.replace(tmp, path)  # readers never see half a file
     log.info("compile cache: saved %.1f MB of compiled artifacts to %s", len(art[0]) / 1e6, path)
     return True
