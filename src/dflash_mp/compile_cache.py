@@ -36,9 +36,13 @@ def load(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             data = f.read()
-        torch.compiler.load_cache_artifacts(data)
+        info = torch.compiler.load_cache_artifacts(data)  # None: torch found the bytes unusable
     except Exception as e:  # noqa: BLE001 - e.g. written by another torch build: compile instead
-        log.warning("compile cache: could not load %s (%s: %s); compiling instead", path, type(e).__name__, e)
+        info, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "torch could not use its contents"
+    if info is None:
+        log.warning("compile cache: could not load %s (%s); compiling instead", path, why)
         return False
     log.info("compile cache: loaded %.1f MB of compiled artifacts from %s in %.1f s",
              len(data) / 1e6, path, time.monotonic() - t0)
