@@ -112,7 +112,7 @@ def run_target(ctx: RunContext) -> None:
                              ctx.run_id)
         stack.callback(writer.close)
         writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
-        writer.add_text("resolved", resolved_choices(ctx, worker=worker), 0)
+        writer.add_text("resolved", resolved_choices(ctx), 0)
         it = iter(stream)
         fault = fault_from_env()
         agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps, ctx.watcher)
@@ -366,9 +366,10 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     return vals
 
 
-def resolved_choices(ctx: RunContext, trainer=None, args=None, worker=None) -> str:
+def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
     """What the run chose where the config says auto/null, as a markdown table (TensorBoard's Text
-    tab, next to the config): the role's own choices plus the job-wide ones."""
+    tab, next to the config): the role's own choices (a drafter passes its trainer and drafter args)
+    plus the job-wide ones."""
     from .target import resolve_attn
     from .transport import pair_kinds
 
@@ -379,13 +380,14 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None, worker=None) -> s
         rows.append(("transport", f"files from {job.transport.files_dir}"))
     else:
         kinds = pair_kinds(job.transport, topo)
-        rows.append(("transport per pair (target->drafter)", ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))))
+        pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
+        rows.append(("transport per pair (target->drafter)", pairs))
     rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),
              ("target hidden size", str(tc["hidden_size"])),
              ("target attention heads / kv heads", f'{tc["num_attention_heads"]} / '
                                                      f'{tc.get("num_key_value_heads") or tc["num_attention_heads"]}'),
              ("target head dim", str(tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]))]
-    if worker is not None:
+    if topo.role == "target":
         rows += [("target attention implementation", resolve_attn(job.target.attn_implementation, ctx.device)),
                  ("target forward compiled", str(job.target.compile and ctx.device.type == "cuda").lower())]
     if trainer is not None:
