@@ -24,6 +24,7 @@ class LoggingConfig:
     tensorboard: bool = True  # write event files under <run_dir>/tb/<role>
     progress: bool = True  # progress bar with ETA on the first drafter rank's console
     peak_tflops: float = 790.0  # MFU denominator: measured dense bf16 matmul rate of one H200
+    curve_every: int = 100  # steps between acceptance-curve figures (the last step always draws one); 0: none
 
 
 class NullWriter:
@@ -36,6 +37,15 @@ class NullWriter:
     def add_custom_scalars(self, *args, **kwargs) -> None:
         pass
 
+    def add_figure(self, *args, **kwargs) -> None:
+        pass
+
+    def add_row(self, *args, **kwargs) -> None:
+        pass
+
+    def acceptance(self, *args, **kwargs) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -43,14 +53,18 @@ class NullWriter:
         pass
 
 
-def dashboard_layout() -> dict:
+def dashboard_layout(tags=()) -> dict:
     """TensorBoard "Custom Scalars" charts. Tags are regexes; a chart draws every run's matching tags,
     so role-split tags (drafter under tb/drafter, target under tb/target) share one chart when
-    TensorBoard is pointed at `<run_dir>/tb`."""
+    TensorBoard is pointed at `<run_dir>/tb`.
+
+    TensorBoard colours lines by run, not by tag: a chart holds several tags of one run only where
+    they are told apart without colour. So the per-slot accuracies are a figure (`AcceptanceCurve`),
+    and the step phases and compile counters get one chart each. `tags`: the tags the first logging
+    step wrote; charts of tags this run never writes (memory on CPU) are left out."""
     multi = lambda *tags: ["Multiline", list(tags)]  # noqa: E731
-    return {
+    layout = {
         "acceptance": {
-            "accuracy per block slot": multi(r"drafter/acc_slot_\d+"),
             "simulated acceptance length": multi("drafter/tau_sim"),
             "loss": multi("drafter/loss"),
         },
@@ -58,17 +72,94 @@ def dashboard_layout() -> dict:
             "tokens/s per role": multi("throughput/tokens_per_s", "target/tokens_per_s"),
             "MFU per role": multi("throughput/mfu", "target/mfu"),
             "drafter samples/s": multi("throughput/samples_per_s"),
-            "drafter step phases and logging (ms)": multi(r"time/.*", "comm/wait_ms"),
+        },
+        "drafter step phases (ms, the step before each log)": {
+            "forward + backward": multi("time/fwd_bwd_ms"),
+            "gradient all-reduce": multi("time/allreduce_ms"),
+            "optimizer": multi("time/optimizer_ms"),
+            "drafter wait for hidden states": multi("comm/wait_ms"),
+            "previous logging step": multi("time/logging_ms"),
         },
         "communication": {
             "drafter wait / target stall (ms)": multi("comm/wait_ms", "comm/stall_ms"),
             "batches in flight": multi("comm/in_flight"),
         },
         "compile": {
-            "graphs, recompiles, CUDA graph recordings": multi(r"compile/.*"),
-            "memory (GiB)": multi(r"memory/.*"),
+            "graphs": multi("compile/graphs"),
+            "recompiles after warm-up": multi("compile/recompiles"),
+            "CUDA graph recordings": multi("compile/cudagraph_records"),
         },
     }
+    if any(t.startswith("memory/") for t in tags):
+        layout["compile"]["memory (GiB)"] = multi(r"memory/.*")
+    return layout
+
+
+class AcceptanceCurve:
+    """Per-slot accuracy and cumulative acceptance against the slot index, at the latest logging
+    step and a few earlier ones, as one matplotlib figure (TensorBoard's Images tab).
+
+    Cumulative acceptance at slot k is prod_{j<=k} acc_j: the chance that the first k drafted tokens
+    are all accepted if the slots err independently. 1 + its sum is the expected accepted length
+    under that assumption, shown next to the measured `tau_sim` (they differ by how correlated the
+    slots' errors are)."""
+
+    EARLIER = 4  # earlier steps drawn next to the latest
+
+    def __init__(self):
+        self.history: list[tuple[int, list[float], float]] = []
+
+    def add(self, step: int, accs: list[float], tau: float) -> None:
+        self.history.append((step, list(accs), float(tau)))
+
+    def shown(self) -> list[tuple[int, list[float], float]]:
+        """The latest step and up to EARLIER earlier ones, evenly spaced over the history, oldest first."""
+        h = self.history
+        if len(h) <= self.EARLIER + 1:
+            return list(h)
+        picks = sorted({round(i * (len(h) - 1) / self.EARLIER) for i in range(self.EARLIER + 1)})
+        return [h[i] for i in picks]
+
+    @staticmethod
+    def cumulative(accs: list[float]) -> list[float]:
+        out, p = [], 1.0
+        for a in accs:
+            p *= a
+            out.append(p)
+        return out
+
+    def figure(self):
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a training node
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is no news
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, 4), dpi=90)
+        acc_ax, cum_ax = fig.subplots(1, 2, sharey=True)
+        shown = self.shown()
+        cmap = matplotlib.colormaps["viridis"]
+        for i, (step, accs, tau) in enumerate(shown):
+            latest = i == len(shown) - 1
+            style = {"color": "black", "lw": 2.2, "marker": "o"} if latest else \
+                {"color": cmap(0.15 + 0.7 * i / max(len(shown) - 1, 1)), "lw": 1.2, "marker": ".", "alpha": 0.8}
+            slots = range(1, len(accs) + 1)
+            cum = self.cumulative(accs)
+            acc_ax.plot(slots, accs, label=f"step {step}", **style)
+            cum_ax.plot(slots, cum, label=f"step {step}: tau_sim {tau:.2f}, indep. {1 + sum(cum):.2f}", **style)
+        for ax, title in ((acc_ax, "accuracy per block slot"),
+                          (cum_ax, "cumulative acceptance (prod of slot accuracies)")):
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("slot k (drafted position after the anchor)")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="upper right")
+        acc_ax.set_ylabel("fraction")
+        if shown:
+            acc_ax.set_xticks(range(1, len(shown[-1][1]) + 1))
+            cum_ax.set_xticks(range(1, len(shown[-1][1]) + 1))
+        fig.tight_layout()
+        return fig
 
 
 class Writer:
@@ -79,7 +170,7 @@ class Writer:
     Custom Scalars tab groups per-slot acceptance, per-role throughput/MFU, comm and compile charts.
     """
 
-    def __init__(self, log_dir: str, tensorboard: bool, run_id: str | None = None):
+    def __init__(self, log_dir: str, tensorboard: bool, run_id: str | None = None, curve_every: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(log_dir, exist_ok=True)
@@ -88,18 +179,38 @@ class Writer:
         self.row: dict[str, float] = {}
         self.layout_written = False
         self.run_id = run_id  # every row names its run: rows of two runs in one file stay apart
+        self.curve, self.curve_every, self.curve_drawn = AcceptanceCurve(), curve_every, None
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.tb.add_scalar(tag, value, step)
         self.row["step"] = step
         self.row[tag] = float(value)
 
+    def add_row(self, tag: str, value: float, step: int) -> None:
+        """scalars.jsonl only: diagnostics for scripts and tests (a data checksum), no chart."""
+        self.row["step"] = step
+        self.row[tag] = float(value)
+
     def add_text(self, tag: str, text: str, step: int) -> None:
         self.tb.add_text(tag, text, step)
 
+    def add_figure(self, tag: str, figure, step: int) -> None:
+        self.tb.add_figure(tag, figure, step, close=False)
+
+    def acceptance(self, step: int, accs: list[float], tau: float, final: bool = False) -> None:
+        """Record this logging step's slot accuracies; draw the curve figure every `curve_every`
+        steps and at the last step (drawing costs tens of ms: not at every logging step)."""
+        if not self.curve_every or not accs or isinstance(self.tb, NullWriter):
+            return
+        self.curve.add(step, accs, tau)
+        due = self.curve_drawn is None or step - self.curve_drawn >= self.curve_every
+        if due or final:
+            self.add_figure("drafter/acceptance_curve", self.curve.figure(), step)
+            self.curve_drawn = step
+
     def flush(self) -> None:
         if not self.layout_written and "drafter/loss" in self.row:
-            self.tb.add_custom_scalars(dashboard_layout())
+            self.tb.add_custom_scalars(dashboard_layout(self.row))
             self.layout_written = True
         if self.row:
             row = {"run_id": self.run_id, **self.row} if self.run_id else self.row
@@ -114,9 +225,9 @@ class Writer:
         self.tb.close()
 
 
-def make_writer(enabled: bool, leader: bool, log_dir: str, run_id: str | None = None):
+def make_writer(enabled: bool, leader: bool, log_dir: str, run_id: str | None = None, curve_every: int = 0):
     """A real writer on the role leader, a null one elsewhere."""
-    return Writer(log_dir, enabled, run_id) if leader else NullWriter()
+    return Writer(log_dir, enabled, run_id, curve_every) if leader else NullWriter()
 
 
 def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "mean") -> dict[str, float]:
@@ -140,14 +251,68 @@ def reduce_scalars(values: dict[str, torch.Tensor | float], group, mode: str = "
     return dict(zip(keys, flat.tolist()))
 
 
+class _AboveBars:
+    """A log handler's stream that prints above this process's tqdm bars (`tqdm.write` clears the
+    bar, prints the line, redraws the bar) instead of onto the bar's line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=self.stream, end="")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class _OffOtherBars:
+    """A log handler's stream on a rank without bars, on a terminal: each line first erases the line
+    the cursor is on, where the leader process may have drawn its bar (the bar comes back at its
+    next update), so the line does not land behind the bar's text."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        self.stream.write("\r\x1b[2K" + text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def quiet_console(show_bars: bool) -> None:
+    """One set of progress bars per job: the drafter leader's. Elsewhere transformers' and datasets'
+    bars ("Loading weights", tokenization) are off; where bars show, log lines go above them."""
+    wrap = _AboveBars if show_bars else _OffOtherBars
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if type(handler) is not logging.StreamHandler or isinstance(stream, (_AboveBars, _OffOtherBars)):
+            continue
+        if show_bars or (hasattr(stream, "isatty") and stream.isatty()):
+            handler.setStream(wrap(stream))
+    if not show_bars:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        try:
+            import datasets
+
+            datasets.disable_progress_bars()
+        except ImportError:
+            pass
+
+
 class Progress:
-    """tqdm bar with ETA; a no-op off the leader."""
+    """tqdm bar with ETA; a no-op off the leader. Log lines go above it (`quiet_console`)."""
 
     def __init__(self, enabled: bool, total: int, initial: int, desc: str):
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
+            quiet_console(True)
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=1.0)
 
     def update(self, n: int, postfix: dict[str, float] | None = None) -> None:

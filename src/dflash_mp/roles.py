@@ -22,7 +22,7 @@ from .config import JobConfig
 from .flops import DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops, target_forward_flops
 from .compile_stats import counts as compile_counts
 from .liveness import NullLiveness, process_age_s
-from .metrics import Progress, make_writer, reduce_scalars
+from .metrics import Progress, make_writer, quiet_console, reduce_scalars
 from .resilience import DataTally, StopAgreement, effective_resume, fault_from_env, maybe_fault
 from .topology import Topology
 from .transport import SlotSpec, build_transport
@@ -89,6 +89,7 @@ def run_target(ctx: RunContext) -> None:
     from .target import TargetWorker
 
     job, topo, live = ctx.job, ctx.topo, ctx.live
+    quiet_console(False)  # the drafter leader's console carries the job's bars
     live.phase("loading", "tokenizing data")
     stream = build_stream(job.data, ctx.tokenizer, topo.role_rank, topo.role_size,
                           vocab_limit=ctx.target_config["vocab_size"])
@@ -117,6 +118,7 @@ def run_target(ctx: RunContext) -> None:
                              ctx.run_id)
         stack.callback(writer.close)
         writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)  # a null writer off the leader
+        writer.add_text("resolved", resolved_choices(ctx), 0)
         it = iter(stream)
         fault = fault_from_env()
         agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, start, num_steps, ctx.watcher)
@@ -213,6 +215,7 @@ def run_drafter(ctx: RunContext) -> None:
     from .export import export_drafter
 
     job, topo, live = ctx.job, ctx.topo, ctx.live
+    quiet_console(job.logging.progress and topo.is_role_leader)
     num_steps = agree_num_steps(ctx, 0)
     live.phase("loading", "drafter and the target's head")
     trainer, args = build_trainer(ctx, num_steps)
@@ -231,12 +234,14 @@ def run_drafter(ctx: RunContext) -> None:
         if hasattr(receiver, "seek"):  # files: no target to re-position, the reader seeks itself
             receiver.seek(start)
         lead = topo.is_role_leader
-        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"), ctx.run_id)
+        writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"), ctx.run_id,
+                             job.logging.curve_every)
         stack.callback(writer.close)
         bar = Progress(job.logging.progress and lead, num_steps, start, "drafter")
         stack.callback(bar.close)
         if lead:
             writer.add_text("config", f"```\n{_yaml(job)}\n```", 0)
+            writer.add_text("resolved", resolved_choices(ctx, trainer=trainer, args=args), 0)
         compiled = trainer.mode != "eager"
         cache_path = compile_cache.artifact_path(job.run_dir, "drafter", ctx.device)
         if compiled:  # graphs another rank, node or attempt compiled: looked up instead of compiled
@@ -277,7 +282,7 @@ def run_drafter(ctx: RunContext) -> None:
                 receiver_verify(receiver)
                 tl = time.perf_counter()
                 vals = log_drafter(ctx, trainer, writer, done, lr, tl - t0, wait_s,
-                                   step_flops, shape, args.block_size, tally, log_ms)
+                                   step_flops, shape, args.block_size, tally, log_ms, final=done == num_steps)
                 bar.update(done - last_logged, {"loss": vals["loss"], "tau": vals["tau_sim"]})
                 t0, wait_s, last_logged = time.perf_counter(), 0.0, done
                 log_ms = 1000 * (t0 - tl)
@@ -323,8 +328,9 @@ def receiver_verify(receiver) -> None:
 
 
 def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b, tally=None,
-                log_ms=None) -> dict[str, float]:
-    """`log_ms`: host time the previous logging step took (sync, reductions, writes), None at first."""
+                log_ms=None, final=False) -> dict[str, float]:
+    """`log_ms`: host time the previous logging step took (sync, reductions, writes), None at first.
+    `final`: the run's last step (the acceptance curve is drawn there whatever `curve_every` says)."""
     topo = ctx.topo
     phases = trainer.phase_ms()  # before the reductions below: reads events the last step recorded
     s = trainer.stats.pop()
@@ -343,8 +349,10 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     writer.add_scalar("drafter/tau_sim", vals["tau_sim"], step)
     writer.add_scalar("drafter/lr", lr, step)
     writer.add_scalar("drafter/skipped_steps", tot["skipped"] / n, step)  # non-finite gradients, update skipped
-    for k in range(1, b):
-        writer.add_scalar(f"drafter/acc_slot_{k}", tot[f"slot_correct_{k}"] / max(tot[f"slot_count_{k}"], 1), step)
+    accs = [tot[f"slot_correct_{k}"] / max(tot[f"slot_count_{k}"], 1) for k in range(1, b)]
+    for k, acc in enumerate(accs, start=1):
+        writer.add_scalar(f"drafter/acc_slot_{k}", acc, step)
+    writer.acceptance(step, accs, vals["tau_sim"], final)
     # Wall time is the slowest rank's, but all ranks are in lock-step through the all-reduce.
     samples = tot["steps"]
     vis_pairs = shape.num_layers * (tot["ctx_keys"] * b + tot["blocks"] * b * b)
@@ -359,8 +367,9 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
     if log_ms is not None:
         writer.add_scalar("time/logging_ms", log_ms, step)
     if tally is not None:  # what the drafters consumed in this interval: proves nothing lost or repeated
-        for k in ("docs", "tokens", "checksum"):
-            writer.add_scalar(f"data/{k}", tot[f"data_{k}"], step)
+        writer.add_scalar("data/docs", tot["data_docs"], step)
+        writer.add_scalar("data/tokens", tot["data_tokens"], step)
+        writer.add_row("data/checksum", tot["data_checksum"], step)  # for tests and scripts: no chart
     c = compile_counts()
     writer.add_scalar("compile/graphs", c["graphs"], step)
     writer.add_scalar("compile/cudagraph_records", c["cudagraph_records"], step)
@@ -369,6 +378,41 @@ def log_drafter(ctx, trainer, writer, step, lr, dt, wait_s, step_flops, shape, b
         writer.add_scalar("memory/max_reserved_gib", torch.cuda.max_memory_reserved(ctx.device) / 2**30, step)
     writer.flush()
     return vals
+
+
+def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
+    """What the run chose where the config says auto/null, as a markdown table (TensorBoard's Text
+    tab, next to the config): the role's own choices (a drafter passes its trainer and drafter args)
+    plus the job-wide ones."""
+    from .target import resolve_attn
+    from .transport import pair_kinds
+
+    job, topo, tc = ctx.job, ctx.topo, ctx.target_config
+    rows = [("device", str(ctx.device)), ("hidden-state dtype", str(ctx.dtype).replace("torch.", "")),
+            ("process groups (backend)", ", ".join(f"{k} {v}" for k, v in topo.backends.items()) or "none")]
+    if job.transport.kind == "files":
+        rows.append(("transport", f"files from {job.transport.files_dir}"))
+    else:
+        kinds = pair_kinds(job.transport, topo)
+        pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
+        rows.append(("transport per pair (target->drafter)", pairs))
+    rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),
+             ("target hidden size", str(tc["hidden_size"])),
+             ("target attention heads / kv heads", f'{tc["num_attention_heads"]} / '
+                                                     f'{tc.get("num_key_value_heads") or tc["num_attention_heads"]}'),
+             ("target head dim", str(tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]))]
+    if topo.role == "target":
+        rows += [("target attention implementation", resolve_attn(job.target.attn_implementation, ctx.device)),
+                 ("target forward compiled", str(job.target.compile and ctx.device.type == "cuda").lower())]
+    if trainer is not None:
+        rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
+                 ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
+                 ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward")]
+    if args is not None:
+        rows += [("drafter layers / hidden / heads / kv heads / head dim",
+                  f"{args.num_layers} / {args.hidden_size} / {args.num_heads} / {args.num_kv_heads} / {args.head_dim}"),
+                 ("block size", str(args.block_size))]
+    return "| choice | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
 def save_checkpoint(ctx: RunContext, trainer, step: int, num_steps: int, fault=None) -> None:
