@@ -81,5 +81,6 @@ def test_two_node_run_on_loopback_trains_and_exports(tmp_path):
     # Dashboards: the drafter registers the Custom Scalars layout, both roles show the resolved config.
     drafter_events = b"".join(open(f, "rb").read() for f in glob.glob(f"{run_dir}/tb/drafter/events.*"))
     target_events = b"".join(open(f, "rb").read() for f in glob.glob(f"{run_dir}/tb/target/events.*"))
-    assert b"custom_scalars" in drafter_events and rb"drafter/acc_slot_\d+" in drafter_events
+    assert b"custom_scalars" in drafter_events and b"time/fwd_bwd_ms" in drafter_events
+    assert b"drafter/acceptance_curve" in drafter_events and b"resolved/text_summary" in target_events
     assert b"config/text_summary" in target_events and b"num_target_ranks" in target_events
