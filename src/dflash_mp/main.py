@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from . import rundir
 from .config import CONF_DIR, JobConfig, register, to_job
 from .liveness import Liveness, peer_error
+from .metrics import quiet_console
 from .resilience import StopSignal, effective_resume, restart_count
 from .topology import Topology
 from .transport import p2p_pairs
@@ -159,6 +160,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
                          allow_no_target=job.transport.kind == "files")
     setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
+    quiet_console(rank == topo.drafter_ranks[0])  # one set of progress bars per job, before any model loads
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
     device = pick_device(local_rank)
     timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
