@@ -177,7 +177,7 @@ def uninterrupted(tmp_path_factory):
     return ref, expected_data(ov, 3, STEPS)
 
 
-def check_exact_resume(run_dir, out, ref, data, resumed_from):
+def check_exact_resume(run_dir, out, ref, data, resumed_from, redone=False):
     assert f"resumed from {run_dir}/checkpoints/step_{resumed_from:08d} at step {resumed_from}" in out, out[-4000:]
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -191,9 +191,15 @@ def check_exact_resume(run_dir, out, ref, data, resumed_from):
     seen = consumed(run_dir)
     assert seen == data
     assert sum(r["docs"] for r in seen.values()) == sum(r["docs"] for r in data.values())
-    # Rows logged by the first attempt after the checkpoint were redone, with identical data.
+    # Every step after the checkpoint was logged; a step the first attempt had already logged
+    # (`redone`: the fault came after it) was logged again by the restart, with the same loss.
     rows = [r for r in scalars(run_dir) if r["step"] > resumed_from]
-    assert len(rows) > STEPS - resumed_from
+    assert {r["step"] for r in rows} == set(range(resumed_from + 1, STEPS + 1))
+    if redone:
+        assert len(rows) > STEPS - resumed_from
+    for r in rows:
+        want = ref["losses"][r["step"] - 1]
+        assert abs(r["drafter/loss"] - want) <= 1e-5 * abs(want), (r["step"], r["drafter/loss"], want)
 
 
 @pytest.mark.slow
@@ -216,7 +222,7 @@ def test_drafter_killed_while_writing_a_checkpoint_resumes_from_the_previous_one
     rc, out, _ = run(3, CRASH + [f"run_dir={run_dir}"], fault="1:4:checkpoint", extra_args=["--max-restarts=1"])
     assert rc == 0, out[-6000:]
     assert "FAULT checkpoint: rank 1 at step 4" in out
-    check_exact_resume(run_dir, out, ref, data, resumed_from=2)
+    check_exact_resume(run_dir, out, ref, data, resumed_from=2, redone=True)
     assert sorted(os.listdir(f"{run_dir}/checkpoints")) == ["step_00000006", "step_00000008"]  # keep=2
 
 
