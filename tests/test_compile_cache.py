@@ -62,3 +62,58 @@ def test_an_unreadable_artifact_file_means_compiling_not_failing(tmp_path):
     with open(path, "wb") as f:
         f.write(b"not a cache")
     assert compile_cache.load(path) is False
+
+
+SHARED = r"""
+import json, sys, time, datetime, torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from dflash_mp import compile_cache
+rank, port, path, leader_compiles = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+shared = compile_cache.SharedCompile(path, store, "compile/drafter/node0", leader=rank == 0)
+loaded = shared.before_compile()
+t_ready = time.time()
+@torch.compile
+def step(x, w):
+    return torch.relu(x @ w).square().sum(-1)
+if rank == 1 or leader_compiles:
+    step(torch.randn(32, 32), torch.randn(32, 32))
+t_published = time.time()
+shared.compiled()
+print(json.dumps({"loaded": loaded, "ready": t_ready, "published": t_published, **counters["inductor"]}))
+store.set("end", "1") if rank == 1 else store.wait(["end"])  # the store's server outlives its client
+"""
+
+
+def shared_compile(tmp_path, leader_compiles: bool) -> tuple[dict, dict]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = compile_cache.artifact_path(str(tmp_path / "run"), "drafter", torch.device("cpu"))
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED, str(r), str(port), path, str(int(leader_compiles))],
+                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"cache{r}"),
+                                   "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs[0], outs[1]
+
+
+@pytest.mark.slow
+def test_one_rank_of_a_node_compiles_and_the_other_loads_its_graphs(tmp_path):
+    lead, follow = shared_compile(tmp_path, leader_compiles=True)
+    assert lead.get("fxgraph_cache_miss", 0) >= 1
+    assert follow["loaded"] and follow["ready"] >= lead["published"]  # it waited for the leader
+    assert follow.get("fxgraph_cache_hit", 0) >= 1 and follow.get("fxgraph_cache_miss", 0) == 0, follow
+
+
+@pytest.mark.slow
+def test_a_leader_that_saved_nothing_releases_its_followers_to_compile(tmp_path):
+    lead, follow = shared_compile(tmp_path, leader_compiles=False)
+    assert not follow["loaded"] and follow.get("fxgraph_cache_miss", 0) >= 1

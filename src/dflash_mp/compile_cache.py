@@ -11,6 +11,7 @@ graphs are found by their own hashes, and what does not match is compiled as usu
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -66,3 +67,40 @@ def save(path: str) -> bool:
         return False
     log.info("compile cache: saved %.1f MB of compiled artifacts to %s", len(art[0]) / 1e6, path)
     return True
+
+
+class SharedCompile:
+    """On a node, one rank of a role compiles and the others load what it compiled.
+
+    Ranks of one role on one node compile the same graphs; side by side they would each spend the
+    whole compile (minutes for an 8B drafter) competing for the same CPU cores. The node's first rank
+    of the role (`leader`) compiles, saves its artifacts and says so in the store (`compiled()`); the
+    others wait for that word (`before_compile()`), load the artifacts and find their graphs compiled.
+    The leader publishes once its first forward and backward are compiled, before the first
+    collective, so the wait cannot deadlock against the gradient all-reduce. A leader that saves
+    nothing still publishes: its followers then compile themselves. The wait itself is bounded by
+    the caller's liveness watcher (the leader is 'compiling', a busy phase with its own bound).
+    """
+
+    def __init__(self, path: str, store, key: str, leader: bool, wait_s: float = 24 * 3600.0):
+        self.path, self.store, self.key, self.leader, self.wait_s = path, store, key, leader, wait_s
+        self.done = False
+
+    def before_compile(self) -> bool:
+        """Leader: pre-fill from an earlier attempt's artifacts. Follower: wait for the leader's,
+        then load them. True when artifacts were loaded."""
+        if self.leader:
+            return load(self.path)
+        t0 = time.monotonic()
+        self.store.wait([self.key], datetime.timedelta(seconds=self.wait_s))
+        log.info("compile cache: waited %.1f s for the node's compiling rank", time.monotonic() - t0)
+        return load(self.path)
+
+    def compiled(self) -> None:
+        """Leader, once: save what this process compiled and release the followers."""
+        if self.done:
+            return
+        self.done = True
+        if self.leader:
+            saved = save(self.path)
+            self.store.set(self.key, "saved" if saved else "none")
