@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_mp.config import compose
-from dflash_mp.main import validate
+from dflash_mp.runtime import validate
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.plan import TARGET_ARCHS, job_workload, known_target_config
 from dflash_mp.trainer import build_drafter_args
