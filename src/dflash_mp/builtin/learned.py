@@ -8,7 +8,7 @@ do?"), mixed with the synthetic demo conversations. It is built once, determinis
 and cached like the tiny target; the cache name carries a hash of the corpus, so a Python whose
 docstrings differ gets its own copy.
 
-    python -m dflash_mp.builtin.learned build-target [--size medium] [--out DIR]
+    python -m dflash_mp.builtin build-learned [--size medium] [--out DIR]
 
 Resolving `builtin:learned-qwen3` never trains: build it first (the command above, or the learning
 proof, `python -m dflash_mp.builtin.proof`, which builds it).
@@ -16,7 +16,6 @@ proof, `python -m dflash_mp.builtin.proof`, which builds it).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import inspect
@@ -181,7 +180,7 @@ def train_learned_target(out_dir: str, seed: int = 0, size: str = "tiny", log_ev
 
 def build_learned_target(cache_dir: str = "", size: str = "tiny") -> str:
     """The cached learned target's directory, trained if it is not there yet (race-safe across
-    processes). Called explicitly (build-target, the learning proof): resolving the name never trains."""
+    processes). Called explicitly (`python -m dflash_mp.builtin build-learned`, the learning proof): resolving the name never trains."""
     out = learned_target_dir(cache_dir, size)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
@@ -189,20 +188,3 @@ def build_learned_target(cache_dir: str = "", size: str = "tiny") -> str:
         if not os.path.isfile(os.path.join(out, "config.json")):
             train_learned_target(out, size=size)
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_mp.builtin.learned",
-                                     description="train (once) and cache a learned Qwen3 target")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build-target", help="train (once) and cache a learned Qwen3")
-    build.add_argument("--out", default=None, help="directory to write (default: the cache entry)")
-    build.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    build.add_argument("--cache-dir", default="", help="cache root (default: $DFLASH_MP_CACHE or ~/.cache/dflash_mp)")
-    args = parser.parse_args(argv)
-    print(train_learned_target(args.out, size=args.size) if args.out
-          else build_learned_target(args.cache_dir, size=args.size))
-
-
-if __name__ == "__main__":
-    main()
