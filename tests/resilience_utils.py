@@ -59,7 +59,7 @@ def expected_data(overrides: list[str], world: int, num_steps: int) -> dict[int,
     job = compose(overrides)
     topo = Topology.plan(job.topology.num_target_ranks, 0, world)
     res = prepare(job)
-    tokenizer, tcfg = res.tokenizer, res.target_config
+    job, tokenizer, tcfg = res.job, res.tokenizer, res.target_config  # the job with real paths
     streams = {t: iter(build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"]))
                for i, t in enumerate(topo.target_ranks)}
     out = {}

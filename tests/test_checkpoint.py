@@ -81,6 +81,7 @@ def _drafter_only(rank, world, overrides):
     topo = Topology.plan(0, rank, world, allow_no_target=True)
     topo.init_groups("gloo", datetime.timedelta(seconds=60))
     res = prepare(job)
+    job = res.job  # the job with real paths
     path, tokenizer, tcfg, layer_ids, mask = (res.target_path, res.tokenizer, res.target_config, res.layer_ids,
                                               res.mask_token_id)
     ctx = RunContext(job, topo, torch.device("cpu"), path, tcfg, layer_ids, mask, tokenizer, torch.float32)

@@ -64,7 +64,7 @@ def test_tokens_outside_the_drafter_vocabulary_are_a_counted_skip():
 
     job = compose(["data.max_rows=40"])
     res = prepare(job)
-    tok, tcfg = res.tokenizer, res.target_config
+    job, tok, tcfg = res.job, res.tokenizer, res.target_config  # the job with real paths
     assert validate(job, tcfg, tok)
     kept, skipped = tokenize_dataset(load_conversations(job.data), tok, job.data, tcfg["vocab_size"])
     assert len(kept) == 40 and not skipped  # roles.run_target passes the target's vocabulary

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .archs import TARGET_ARCHS, known_target_config  # noqa: F401 - re-exported: the planner's table
+from .archs import TARGET_ARCHS, known_target_config
 from .batch import HiddenBatch, PackedBatch
 from .config import compose
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
