@@ -20,7 +20,7 @@ from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, tim
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetWorker, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp.target import TargetSpec, TargetWorker, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -49,11 +49,9 @@ def main() -> None:
     pb = PackedBatch(hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, int(hb.doc_ids.max()) + 1, a.seq_len)
     lens = torch.bincount(pb.doc_ids).tolist()
     pairs = causal_pairs_packed(lens)
-    hd = c["head_dim"]
 
     def flops(layers: int, head: bool) -> float:
-        f = target_forward_flops(c["hidden_size"], c["intermediate_size"], layers, c["num_attention_heads"],
-                                 c["num_key_value_heads"], hd, a.seq_len, pairs)
+        f = target_forward_flops(TargetSpec.from_config(c), layers, a.seq_len, pairs)
         return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
 
     res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dflash_mp.batch import HiddenBatch
 from dflash_mp.config import compose
 from dflash_mp.liveness import Liveness
-from dflash_mp.main import init_distributed, pick_device, resolve_backend, watcher_store
+from dflash_mp.runtime import init_distributed, pick_device, resolve_backend, watcher_store
 from dflash_mp.topology import Topology
 from dflash_mp.transport import SlotSpec, build_transport
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from dflash_mp.config import compose
-from dflash_mp.main import prepare
+from dflash_mp.runtime import prepare
 from dflash_mp.resilience import FAULT_ENV, batch_tally
 from dflash_mp.topology import Topology
 
@@ -58,7 +58,8 @@ def expected_data(overrides: list[str], world: int, num_steps: int) -> dict[int,
 
     job = compose(overrides)
     topo = Topology.plan(job.topology.num_target_ranks, 0, world)
-    _, tokenizer, tcfg, _, _ = prepare(job)
+    res = prepare(job)
+    job, tokenizer, tcfg = res.job, res.tokenizer, res.target_config  # the job with real paths
     streams = {t: iter(build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"]))
                for i, t in enumerate(topo.target_ranks)}
     out = {}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_mp.main import resolve_backend
+from dflash_mp.runtime import resolve_backend
 
 CUDA = torch.device("cuda", 0)
 

@@ -13,7 +13,7 @@ from dflash_mp.data import (
     tokenize_conversation,
     tokenize_dataset,
 )
-from dflash_mp.demo import build_demo_tokenizer, demo_texts
+from dflash_mp.builtin import build_demo_tokenizer, demo_data_path, demo_texts
 
 END = "<|im_end|>"
 
@@ -244,7 +244,7 @@ def test_local_sources_and_max_rows(tok, tmp_path):
     assert len(load_conversations(DataConfig(path=str(data)))) == 10
     assert len(load_conversations(DataConfig(path=str(data), max_rows=4))) == 4
     assert len(load_conversations(DataConfig(path=str(data), split="train[:30%]"))) == 3
-    assert len(load_conversations(DataConfig())) == 800  # builtin:demo
+    assert len(load_conversations(DataConfig(path=demo_data_path()))) == 800  # builtin:demo
 
 
 @pytest.mark.parametrize("make,match", [

@@ -73,14 +73,17 @@ def _drafter_only(rank, world, overrides):
     import datetime
 
     from dflash_mp.config import compose
-    from dflash_mp.main import prepare
+    from dflash_mp.runtime import prepare
     from dflash_mp.roles import RunContext, run_drafter
     from dflash_mp.topology import Topology
 
     job = compose(overrides)
     topo = Topology.plan(0, rank, world, allow_no_target=True)
     topo.init_groups("gloo", datetime.timedelta(seconds=60))
-    path, tokenizer, tcfg, layer_ids, mask = prepare(job)
+    res = prepare(job)
+    job = res.job  # the job with real paths
+    path, tokenizer, tcfg, layer_ids, mask = (res.target_path, res.tokenizer, res.target_config, res.layer_ids,
+                                              res.mask_token_id)
     ctx = RunContext(job, topo, torch.device("cpu"), path, tcfg, layer_ids, mask, tokenizer, torch.float32)
     run_drafter(ctx)
 

@@ -19,7 +19,7 @@ from dflash_mp.data import (
     tokenize_dataset,
 )
 from dflash_mp.data.chat import SKIP_REASONS, is_unfinished, unclosed_think
-from dflash_mp.demo import build_demo_tokenizer, demo_texts
+from dflash_mp.builtin import build_demo_tokenizer, demo_texts
 from test_chat import THINK_TEMPLATE
 
 T = 64

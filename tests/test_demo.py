@@ -9,16 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_mp.data import DataConfig, load_conversations, tokenize_dataset
-from dflash_mp.demo import (
+from dflash_mp.builtin import (
     BUILTIN_TARGET,
     build_demo_target,
     build_demo_tokenizer,
     demo_data_path,
     demo_texts,
-    main,
     resolve_target_path,
-    write_demo_data,
 )
+from dflash_mp.builtin.__main__ import main
+from dflash_mp.builtin.chats import write_demo_data
 
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"},
         {"role": "assistant", "content": "2 + 3 = 5."}]
@@ -123,7 +123,7 @@ def test_shipped_asset_is_clean_and_reproducible(tok, tmp_path):
         rows = [json.loads(line) for line in f]
     assert len(rows) == 800 and all(set(r) == {"messages"} for r in rows)
     assert all(any(m["role"] == "assistant" for m in r["messages"]) for r in rows)
-    cfg = DataConfig()
+    cfg = DataConfig(path=demo_data_path())  # builtin:demo, resolved
     ds, skipped = tokenize_dataset(load_conversations(cfg), tok, cfg)
     assert not skipped and len(ds) == 800
     regenerated = tmp_path / "demo.jsonl"

@@ -17,14 +17,15 @@ EVAL = ["eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_batches=2", "e
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     from dflash_mp.export import export_drafter
-    from dflash_mp.main import prepare
+    from dflash_mp.runtime import prepare
     from dflash_mp.model import DFlashDrafter
     from dflash_mp.trainer import build_drafter_args
 
     d = tmp_path_factory.mktemp("evaluate")
     cache = f"target.cache_dir={d / 'cache'}"
     job = compose([cache])
-    _, _, tcfg, layer_ids, mask = prepare(job)
+    res = prepare(job)
+    tcfg, layer_ids, mask = res.target_config, res.layer_ids, res.mask_token_id
     args = build_drafter_args(job.drafter, tcfg, layer_ids, mask)
     torch.manual_seed(0)
     out = export_drafter(DFlashDrafter(args), args, d / "export", tcfg)

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from dflash_mp.config import compose
-from dflash_mp.learned import PROFILES, SIZES, TARGETS, run_pipeline, stdlib_doc_chats, train_learned_target
+from dflash_mp.builtin.learned import SIZES, stdlib_doc_chats, train_learned_target
+from dflash_mp.builtin.names import LEARNED_TARGETS as TARGETS
+from dflash_mp.builtin.proof import PROFILES, run_pipeline
 
 
 def test_corpus_is_real_and_deterministic():

@@ -89,7 +89,8 @@ def test_flop_workload_by_hand():
     # One drafter layer of width 8, two captured target layers, no attention cost to speak of.
     shape = DrafterShape(hidden=8, intermediate=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
                          vocab=32, num_target_layers=2)
-    tc = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    tc = dict(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+              num_hidden_layers=2, vocab_size=32)  # a whole config: read through TargetSpec
     w = workload(tc, [0, 1], shape, seq_len=4, num_anchors=1, block_size=2, doc_len=4)
     # Target: 2 layers x (4 tokens x (2*8*(8+8) + 2*8*8 + 2*3*8*16) + 4*2*4 * 10 causal pairs)
     assert w.target_flops == 2 * (4 * (256 + 128 + 768) + 32 * 10)
@@ -127,8 +128,10 @@ def test_cli_prints_layouts(capsys):
 
 def test_measure_runs_on_this_device():
     from dflash_mp.plan import measure_rates, target_config_for
+    from dflash_mp.runtime import resolve
 
-    job = compose(["data.seq_len=64", "drafter.num_anchors=8", "drafter.loss_chunk_size=32", "train.compile=eager"])
+    job = resolve(compose(["data.seq_len=64", "drafter.num_anchors=8", "drafter.loss_chunk_size=32",
+                           "train.compile=eager"]))  # the planner reads real paths
     t, d = measure_rates(job, target_config_for(job), iters=1)
     assert t > 0 and d > 0
 

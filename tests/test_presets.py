@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_mp.config import compose
-from dflash_mp.main import validate
+from dflash_mp.runtime import validate
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.plan import TARGET_ARCHS, job_workload, known_target_config
 from dflash_mp.trainer import build_drafter_args
@@ -40,7 +40,7 @@ def test_preset_composes_and_validates(name):
     job = compose([f"experiment={name}"])
     assert job.name == name and job.data.seq_len == 3072
     tcfg = known_target_config(job.target.path)
-    assert tcfg is not None, f"add {job.target.path} to dflash_mp.plan.TARGET_ARCHS"
+    assert tcfg is not None, f"add {job.target.path} to dflash_mp.archs.TARGET_ARCHS"
     tok = FakeTokenizer(TARGET_ARCHS[job.target.path]["tokenizer_len"])
     layer_ids, mask_id = validate(job, tcfg, tok)
     assert (layer_ids, mask_id) == (ids, mask)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash_mp.demo import main, resolve_target_path
-from dflash_mp.plan import known_target_config
+from dflash_mp.archs import known_target_config
+from dflash_mp.builtin import resolve_target_path
+from dflash_mp.builtin.__main__ import main
 from dflash_mp.target import RANDOM_INIT, TargetWorker, load_target_config, load_target_head
 
 from e2e_utils import SMALL, losses, torchrun

@@ -14,7 +14,7 @@ import torch
 
 from dflash_mp import checkpoint as ckpt
 from dflash_mp.config import compose
-from dflash_mp.main import prepare, validate
+from dflash_mp.runtime import prepare, validate
 from dflash_mp.resilience import Fault, StopAgreement, effective_resume, fault_from_env
 
 from dist_utils import run_ranks
@@ -63,7 +63,8 @@ def test_tokens_outside_the_drafter_vocabulary_are_a_counted_skip():
     from dflash_mp.data import load_conversations, tokenize_dataset
 
     job = compose(["data.max_rows=40"])
-    _, tok, tcfg, _, _ = prepare(job)
+    res = prepare(job)
+    job, tok, tcfg = res.job, res.tokenizer, res.target_config  # the job with real paths
     assert validate(job, tcfg, tok)
     kept, skipped = tokenize_dataset(load_conversations(job.data), tok, job.data, tcfg["vocab_size"])
     assert len(kept) == 40 and not skipped  # roles.run_target passes the target's vocabulary

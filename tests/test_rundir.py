@@ -23,7 +23,7 @@ from safetensors import safe_open
 from dflash_mp import checkpoint as ckpt
 from dflash_mp import rundir
 from dflash_mp.config import compose
-from dflash_mp.main import prepare
+from dflash_mp.runtime import prepare
 
 from e2e_utils import SMALL, scalars
 from resilience_utils import finish, run, signal_workers, start
@@ -235,7 +235,8 @@ def test_case3_when_every_row_is_rejected_the_error_names_why(tmp_path, kind, re
     else:
         _rows(path, [{"messages": chat}] * 6)
     job = compose([f"data.path={path}"])
-    _, tok, tcfg, _, _ = prepare(job)
+    res = prepare(job)
+    tok, tcfg = res.tokenizer, res.target_config
     with pytest.raises(ValueError) as err:
         build_stream(job.data, tok, 0, 1, vocab_limit=10 if kind == "small_vocab" else tcfg["vocab_size"])
     msg = str(err.value)
@@ -249,7 +250,7 @@ def test_case3_an_empty_jsonl_is_a_clear_error_in_training_and_regenerate(tmp_pa
     path = str(tmp_path / "empty.jsonl")
     open(path, "w").close()
     job = compose([f"data.path={path}"])
-    _, tok, _, _, _ = prepare(job)
+    tok = prepare(job).tokenizer
     with pytest.raises(ValueError, match=r"data.path=.*empty.jsonl' holds no rows \(an empty file\?\)"):
         build_stream(job.data, tok, 0, 1)
     with pytest.raises(ValueError, match="holds no rows"):
@@ -301,9 +302,10 @@ import json, resource, sys
 sys.path.insert(0, {src!r})
 from dflash_mp.config import compose
 from dflash_mp.data import load_conversations, tokenize_dataset
-from dflash_mp.main import prepare
+from dflash_mp.runtime import prepare
 job = compose(["data.path={path}", "data.max_row_chars={limit}"])
-_, tok, tcfg, _, _ = prepare(job)
+res = prepare(job)
+tok, tcfg = res.tokenizer, res.target_config
 ds = load_conversations(job.data)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 kept, skipped = tokenize_dataset(ds, tok, job.data, tcfg["vocab_size"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_mp.data import ChatEncoder, DataConfig, build_stream, load_conversations, tokenize_dataset
-from dflash_mp.demo import build_demo_tokenizer, demo_texts
+from dflash_mp.builtin import build_demo_tokenizer, demo_texts
 
 from test_data_property import masked_runs
 
@@ -153,7 +153,7 @@ def chain_target(out_dir, tok):
     REPLY and then <|im_end|>."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_mp.demo import demo_qwen3_config
+    from dflash_mp.builtin import demo_qwen3_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(demo_qwen3_config(tok))
@@ -239,12 +239,13 @@ def test_thinking_switch_regenerate_train_evaluate(setup, tok, capsys, caplog, t
     from dflash_mp.config import compose
     from dflash_mp.evaluate import main as evaluate_main
     from dflash_mp.export import export_drafter
-    from dflash_mp.main import prepare
+    from dflash_mp.runtime import prepare
     from dflash_mp.model import DFlashDrafter
     from dflash_mp.trainer import build_drafter_args
 
     job = compose([f"target.path={target}"])
-    _, _, tcfg, layer_ids, mask = prepare(job)
+    res = prepare(job)
+    tcfg, layer_ids, mask = res.target_config, res.layer_ids, res.mask_token_id
     args = build_drafter_args(job.drafter, tcfg, layer_ids, mask)
     export = export_drafter(DFlashDrafter(args), args, tmp_path / "export", tcfg, chat_template_kwargs=OFF)
     common = [f"checkpoint={export}", f"target.path={target}", f"data.path={d / 'off.jsonl'}", "data.seq_len=128",

@@ -8,7 +8,7 @@ import datasets
 import pytest
 
 from dflash_mp.data import DataConfig, ShardStream, build_stream, check_batch, split_eval
-from dflash_mp.demo import build_demo_tokenizer, demo_texts
+from dflash_mp.builtin import build_demo_tokenizer, demo_data_path, demo_texts
 
 T, PAD, NUM_ROWS = 64, 0, 101
 
@@ -116,7 +116,7 @@ def test_split_eval_is_deterministic_and_disjoint(rows):
 
 def test_build_stream_on_the_demo_data():
     tok = build_demo_tokenizer(demo_texts())
-    cfg = DataConfig(seq_len=128, eval_fraction=0.05)
+    cfg = DataConfig(path=demo_data_path(), seq_len=128, eval_fraction=0.05)
     streams = [build_stream(cfg, tok, r, 2) for r in range(2)]
     held = build_stream(cfg, tok, 0, 1, part="eval")
     assert sum(len(s) for s in streams) + len(held) == 800
@@ -127,7 +127,7 @@ def test_build_stream_on_the_demo_data():
             check_batch(b, seq_len=128, pad_id=tok.pad_token_id)
             assert b.num_valid_tokens > 64 and int(b.loss_mask.sum()) > 0
     with pytest.raises(ValueError, match="eval_fraction"):
-        build_stream(DataConfig(), tok, 0, 1, part="eval")
+        build_stream(DataConfig(path=demo_data_path()), tok, 0, 1, part="eval")
 
 
 def _tokenize_concurrently(barrier, calls_dir: str, rank: int, queue) -> None:
@@ -144,7 +144,7 @@ def _tokenize_concurrently(barrier, calls_dir: str, rank: int, queue) -> None:
     chat.ChatEncoder.__call__ = counting
     tok = build_demo_tokenizer(demo_texts())
     barrier.wait()  # start together, as the target ranks of one node do
-    stream = build_stream(DataConfig(seq_len=128), tok, 0, 1)
+    stream = build_stream(DataConfig(path=demo_data_path(), seq_len=128), tok, 0, 1)
     queue.put((rank, next(stream).input_ids.tolist()))
 
 

@@ -25,8 +25,14 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .batch import TOKEN_FIELDS
+from .config import compose
+from .data import build_stream
+from .roles import seek
+from .runtime import pick_device, prepare, setup_logging
+from .target import TargetWorker
 from .transport.files import MANIFEST, MANIFEST_VERSION
 
 log = logging.getLogger("dflash_mp.dump")
@@ -104,24 +110,18 @@ def parse_args(argv: list[str]) -> tuple[DumpConfig, list[str]]:
 
 def run_dump(job, cfg: DumpConfig) -> dict | None:
     """Dump this rank's shard; rank 0 returns the manifest (others None)."""
-    import torch.distributed as dist
-
-    from .data import build_stream
-    from .main import pick_device, prepare, setup_logging
-    from .roles import seek
-    from .target import TargetWorker, resolve_dtype
-
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging(rank, "T")
     device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
-    target_path, tokenizer, tcfg, layer_ids, mask_id = prepare(job)
-    dtype = resolve_dtype(job.target.dtype, device)
+    res = prepare(job, device)
+    target_path, tokenizer, tcfg, layer_ids, mask_id, dtype = (res.target_path, res.tokenizer, res.target_config,
+                                                               res.layer_ids, res.mask_token_id, res.dtype)
     os.makedirs(cfg.dir, exist_ok=True)
     group = world > 1
     if group:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(hours=4))
     try:
-        stream = build_stream(job.data, tokenizer, rank, world, vocab_limit=tcfg["vocab_size"])
+        stream = build_stream(res.job.data, tokenizer, rank, world, vocab_limit=tcfg["vocab_size"])
         num = stream.batches_per_epoch(0)
         if cfg.max_batches:
             num = min(num, cfg.max_batches)
@@ -183,8 +183,6 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .config import compose
-
     cfg, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     run_dump(compose(overrides), cfg)
 

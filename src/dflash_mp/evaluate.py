@@ -241,14 +241,16 @@ def evaluate(job, cfg: EvalConfig) -> dict:
     from .export import check_export_dir, exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
-    from .target import load_target_config, resolve_dtype, resolve_path
+    from .runtime import resolve
+    from .target import load_target_config, resolve_dtype
 
     if not cfg.checkpoint:
         raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
     check_export_dir(cfg.checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(job.target.dtype, device)
-    target_path = resolve_path(job.target)
+    job = resolve(job)
+    target_path = job.target.path
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target_config = load_target_config(target_path)
     drafter, args = load_exported(cfg.checkpoint, dtype=dtype, device=device)

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_mp.model.drafter import DFlashDrafter, DrafterArgs
+from dflash_mp.target import TargetSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -87,38 +88,25 @@ def drafter_config(args: DrafterArgs, dtype: torch.dtype, target_config: dict | 
     }
 
 
-def rope_from_config(config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) of an HF config dict, whether RoPE lives in `rope_theta` /
-    `rope_scaling` (transformers 4) or in `rope_parameters` (transformers 5)."""
-    rope_scaling = config.get("rope_scaling")
-    rope_theta = config.get("rope_theta")
-    params = config.get("rope_parameters")
-    if params:
-        rope_theta = params.get("rope_theta", rope_theta)
-        if params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return (rope_theta if rope_theta is not None else 1e6), rope_scaling
-
-
 def args_from_config(config: dict) -> DrafterArgs:
     """Inverse of `drafter_config` (also reads exports whose rope lives in `rope_parameters`)."""
     dflash = config.get("dflash_config", {})
-    rope_theta, rope_scaling = rope_from_config(config)
+    spec = TargetSpec.from_config(config)  # a Qwen3 decoder config: the same fields as a target's
     sliding = config.get("use_sliding_window", True)
     return DrafterArgs(
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        head_dim=config.get("head_dim", config["hidden_size"] // config["num_attention_heads"]),
-        vocab_size=config["vocab_size"],
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        vocab_size=spec.vocab_size,
         target_layer_ids=list(dflash.get("target_layer_ids", config.get("target_layer_ids", []))),
         mask_token_id=dflash.get("mask_token_id", config.get("mask_token_id")),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=config.get("max_position_embeddings", 40960),
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        rope_scaling=spec.rope_scaling,
+        max_position_embeddings=spec.max_position_embeddings,
         block_size=dflash.get("block_size", config.get("block_size", 16)),
         layer_types=config.get("layer_types"),
         sliding_window=config.get("sliding_window") if sliding else None,

@@ -25,6 +25,12 @@ class DrafterShape:
     vocab: int
     num_target_layers: int
 
+    @classmethod
+    def from_args(cls, args) -> "DrafterShape":
+        """The shape of a drafter built from `args` (a `DrafterArgs`)."""
+        return cls(args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads, args.num_kv_heads,
+                   args.head_dim, args.vocab_size, args.num_target_layers)
+
 
 def drafter_matmul_flops(s: DrafterShape, seq_len: int, num_anchors: int, block_size: int) -> float:
     """Training FLOPs of one drafter step except attention scores (those depend on the mask)."""
@@ -47,12 +53,13 @@ def drafter_attention_flops(s: DrafterShape, visible_pairs: float) -> float:
     return float(3 * 4 * s.num_heads * s.head_dim * visible_pairs)
 
 
-def target_forward_flops(hidden: int, intermediate: int, num_layers: int, num_heads: int,
-                         num_kv_heads: int, head_dim: int, tokens: int, causal_pairs: float) -> float:
-    """Forward FLOPs of `num_layers` decoder layers over `tokens` (no LM head)."""
-    q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    per_token = 2 * hidden * (q + 2 * kv) + 2 * q * hidden + 2 * 3 * hidden * intermediate
-    return float(num_layers * (tokens * per_token + 4 * num_heads * head_dim * causal_pairs))
+def target_forward_flops(spec, num_layers: int, tokens: int, causal_pairs: float) -> float:
+    """Forward FLOPs of the first `num_layers` decoder layers of a target of shape `spec` (a
+    `target.TargetSpec`) over `tokens` (no LM head)."""
+    hidden, heads, head_dim = spec.hidden_size, spec.num_heads, spec.head_dim
+    q, kv = heads * head_dim, spec.num_kv_heads * head_dim
+    per_token = 2 * hidden * (q + 2 * kv) + 2 * q * hidden + 2 * 3 * hidden * spec.intermediate_size
+    return float(num_layers * (tokens * per_token + 4 * heads * head_dim * causal_pairs))
 
 
 def causal_pairs_packed(doc_lengths: list[int]) -> float:

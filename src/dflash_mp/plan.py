@@ -20,44 +20,20 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
+from .archs import TARGET_ARCHS, known_target_config
+from .batch import HiddenBatch, PackedBatch
+from .config import compose
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
                     target_forward_flops)
+from .model import DFlashDrafter
+from .runtime import resolve
+from .target import (TargetSpec, TargetWorker, capture_layer_ids, load_target_config, mask_token_id, resolve_dtype,
+                     truncate)
+from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
 
 log = logging.getLogger(__name__)
-
-# config.json fields of public targets (text decoder only), so presets validate and the planner runs
-# without downloading anything. `tokenizer_len` is len(tokenizer): the first row past it is the
-# default mask token when the embedding has spare rows.
-TARGET_ARCHS: dict[str, dict] = {
-    "Qwen/Qwen3-4B": dict(
-        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=40960, tie_word_embeddings=True, tokenizer_len=151669),
-    "Qwen/Qwen3-8B": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=40960, tie_word_embeddings=False, tokenizer_len=151669),
-    "meta-llama/Llama-3.1-8B-Instruct": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        max_position_embeddings=131072, tie_word_embeddings=False, tokenizer_len=128256),
-    # The text decoder of Qwen3.5-27B (a hybrid of linear-attention and full-attention layers; the
-    # full-attention layers' shapes are what the drafter copies). tokenizer_len is approximate: any
-    # value below vocab_size leaves the default mask row valid.
-    "Qwen/Qwen3.5-27B": dict(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
-        max_position_embeddings=262144, tie_word_embeddings=False, tokenizer_len=248077),
-}
-
-
-def known_target_config(path: str) -> dict | None:
-    """The table entry for a hub id (config.json fields only), or None."""
-    arch = TARGET_ARCHS.get(path)
-    return None if arch is None else {k: v for k, v in arch.items() if k != "tokenizer_len"}
-
 
 # ------------------------------------------------------------------------------------- FLOP model
 @dataclass(frozen=True)
@@ -76,13 +52,10 @@ class Workload:
 def workload(target_config: dict, layer_ids: list[int], shape: DrafterShape, seq_len: int, num_anchors: int,
              block_size: int, doc_len: int = 1024) -> Workload:
     """FLOPs per packed batch of `seq_len` tokens made of documents of `doc_len` tokens."""
-    tc = target_config
-    heads = tc["num_attention_heads"]
     doc_len = max(1, min(doc_len, seq_len))
     docs = [doc_len] * (seq_len // doc_len) + ([seq_len % doc_len] if seq_len % doc_len else [])
-    t = target_forward_flops(tc["hidden_size"], tc["intermediate_size"], max(layer_ids) + 1, heads,
-                             tc.get("num_key_value_heads") or heads, tc.get("head_dim") or tc["hidden_size"] // heads,
-                             seq_len, causal_pairs_packed(docs))
+    t = target_forward_flops(TargetSpec.from_config(target_config), max(layer_ids) + 1, seq_len,
+                             causal_pairs_packed(docs))
     # A block sees on average half a document of context plus its own B x B block, in every layer.
     visible = shape.num_layers * num_anchors * (doc_len / 2 * block_size + block_size * block_size)
     d = drafter_matmul_flops(shape, seq_len, num_anchors, block_size) + drafter_attention_flops(shape, visible)
@@ -169,24 +142,32 @@ def fluid_bound(world: int, t: float, d: float) -> float:
 
 
 # ------------------------------------------------------------------------------- from a job config
-def job_workload(job, target_config: dict, doc_len: int = 1024) -> Workload:
-    from .target import default_layer_ids
-    from .trainer import build_drafter_args
+def planned_ids(job, target_config: dict) -> tuple[list[int], int]:
+    """(layer_ids, mask_token_id) as a run of `job` derives them (target.capture_layer_ids,
+    target.mask_token_id), with the tokenizer's length from the table for known hub ids."""
+    spec = TargetSpec.from_config(target_config)
+    arch = TARGET_ARCHS.get(job.target.path)
+    if arch is not None:
+        tokenizer_len = arch["tokenizer_len"]
+    else:
+        from transformers import AutoTokenizer  # seconds to import: only for targets outside the table
 
-    layer_ids = (sorted(job.target.layer_ids) if job.target.layer_ids
-                 else default_layer_ids(target_config["num_hidden_layers"], job.target.num_capture))
-    mask = job.drafter.mask_token_id if job.drafter.mask_token_id is not None else 0
+        tokenizer_len = len(AutoTokenizer.from_pretrained(job.target.path))
+    return (capture_layer_ids(job.target, spec.num_layers),
+            mask_token_id(job.drafter.mask_token_id, tokenizer_len, spec.vocab_size))
+
+
+def job_workload(job, target_config: dict, doc_len: int = 1024) -> Workload:
+    layer_ids, mask = planned_ids(job, target_config)
     a = build_drafter_args(job.drafter, target_config, layer_ids, mask)
-    shape = DrafterShape(a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
-                         a.head_dim, a.vocab_size, a.num_target_layers)
-    return workload(target_config, layer_ids, shape, job.data.seq_len, job.drafter.num_anchors, a.block_size, doc_len)
+    return workload(target_config, layer_ids, DrafterShape.from_args(a), job.data.seq_len, job.drafter.num_anchors,
+                    a.block_size, doc_len)
 
 
 def target_config_for(job) -> dict:
-    """The target's config.json fields: from the table for known hub ids, else read (no weights)."""
-    from .target import load_target_config, resolve_path
-
-    return known_target_config(job.target.path) or load_target_config(resolve_path(job.target))
+    """The target's config.json fields of a resolved job (runtime.resolve): from the table for known
+    hub ids, else read (no weights)."""
+    return known_target_config(job.target.path) or load_target_config(job.target.path)
 
 
 # MFUs of the two roles when nothing is measured: what the Qwen3-8B shapes reach on an H200 (the
@@ -213,18 +194,10 @@ def resolve_num_target_ranks(job, world_size: int) -> int:
 # --------------------------------------------------------------------------------------- measure
 def measure_rates(job, target_config: dict, iters: int = 5) -> tuple[float, float]:
     """(target, drafter) samples/s on the local accelerator (CPU when there is none), random weights."""
-    import torch
-
-    from .batch import HiddenBatch, PackedBatch
-    from .model import DFlashDrafter
-    from .target import TargetWorker, default_layer_ids, resolve_dtype, truncate
-    from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
-
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = resolve_dtype(job.target.dtype, dev)
     tc = target_config
-    layer_ids = (sorted(job.target.layer_ids) if job.target.layer_ids
-                 else default_layer_ids(tc["num_hidden_layers"], job.target.num_capture))
+    layer_ids, mask = planned_ids(job, tc)
     T = job.data.seq_len
     g = torch.Generator().manual_seed(0)
     doc = min(1024, T)
@@ -264,7 +237,6 @@ def measure_rates(job, target_config: dict, iters: int = 5) -> tuple[float, floa
 
     t_rate, hb = time_target()
 
-    mask = job.drafter.mask_token_id if job.drafter.mask_token_id is not None else tc["vocab_size"] - 1
     args = build_drafter_args(job.drafter, tc, layer_ids, mask)
     with torch.device(dev):
         drafter = DFlashDrafter(args)
@@ -308,8 +280,6 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .config import compose
-
     argv = list(sys.argv[1:] if argv is None else argv)
     measure = "--measure" in argv
     argv = [a for a in argv if a != "--measure"]
@@ -322,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
             opts[key] = PLAN_KEYS[key](val)
         else:
             overrides.append(a)
-    job = compose(overrides)
+    job = resolve(compose(overrides))
     peak = opts.get("peak_tflops", job.logging.peak_tflops)
     tcfg = target_config_for(job)
     if measure:

@@ -14,19 +14,20 @@ import json
 import torch
 
 from .config import JobConfig, compose
+from .data import build_stream
+from .model import DFlashDrafter
+from .runtime import prepare
+from .target import TargetWorker, load_target_head
 from .topology import Topology
+from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
 
 
 def reference_run(job: JobConfig, world_size: int) -> dict:
-    from .data import build_stream
-    from .main import prepare
-    from .model import DFlashDrafter
-    from .target import TargetWorker, load_target_head
-    from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
-
     device, dtype = torch.device("cpu"), torch.float32
     topo = Topology.plan(job.topology.num_target_ranks, 0, world_size)
-    path, tokenizer, tcfg, layer_ids, mask_id = prepare(job)
+    res = prepare(job)
+    job, path, tokenizer, tcfg = res.job, res.target_path, res.tokenizer, res.target_config
+    layer_ids, mask_id = res.layer_ids, res.mask_token_id
     streams = {t: build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"])
                for i, t in enumerate(topo.target_ranks)}
     tc = job.train

@@ -192,7 +192,8 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .data.chat import BadRow, ChatEncoder, load_conversations
-    from .target import resolve_dtype, resolve_path
+    from .runtime import resolve
+    from .target import resolve_dtype
 
     if not cfg.out:
         raise ValueError("out= is missing; name the output jsonl, e.g. out=regenerated.jsonl")
@@ -200,7 +201,8 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
                          f"{cfg.sort_window}: all must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_path(job.target)
+    job = resolve(job)
+    path = job.target.path
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(job.target.dtype, device))
     model.to(device).eval()

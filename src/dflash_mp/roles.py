@@ -24,6 +24,7 @@ from .compile_stats import counts as compile_counts
 from .liveness import NullLiveness, process_age_s
 from .metrics import Progress, make_writer, quiet_console, reduce_scalars
 from .resilience import DataTally, StopAgreement, effective_resume, fault_from_env, maybe_fault
+from .target import TargetSpec
 from .topology import Topology
 from .transport import SlotSpec, build_transport
 
@@ -40,6 +41,7 @@ class RunContext:
                  live=None):
         self.job, self.topo, self.device = job, topo, device
         self.target_path, self.target_config = target_path, target_config
+        self.spec = TargetSpec.from_config(target_config)
         self.layer_ids, self.mask_token_id = layer_ids, mask_token_id
         self.tokenizer, self.dtype = tokenizer, dtype
         self.ckpt_root = job.checkpoint.dir or os.path.join(job.run_dir, "checkpoints")
@@ -105,11 +107,8 @@ def run_target(ctx: RunContext) -> None:
         live.phase("loading", "compile cache")
         compile_cache.load(cache_path)
     live.phase("starting", "transport")
-    tc = ctx.target_config
     fwd_flops = lambda pb: target_forward_flops(  # noqa: E731
-        tc["hidden_size"], tc["intermediate_size"], max(ctx.layer_ids) + 1, tc["num_attention_heads"],
-        tc.get("num_key_value_heads") or tc["num_attention_heads"],
-        tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"], pb.seq_len,
+        ctx.spec, max(ctx.layer_ids) + 1, pb.seq_len,
         causal_pairs_packed(torch.bincount(pb.doc_ids[pb.doc_ids >= 0]).tolist()))
     with ExitStack() as stack:
         sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.watcher)
@@ -224,8 +223,7 @@ def run_drafter(ctx: RunContext) -> None:
         trainer.load_state_dict(ckpt.load_file(path, "drafter.pt", map_location=ctx.device))
         set_rng_state(ckpt.load_file(path, f"rng_rank{topo.rank}.pt"))
         log.info("resumed from %s at step %d", path, start)
-    shape = DrafterShape(args.hidden_size, args.intermediate_size, args.num_layers, args.num_heads,
-                         args.num_kv_heads, args.head_dim, args.vocab_size, args.num_target_layers)
+    shape = DrafterShape.from_args(args)
     step_flops = drafter_matmul_flops(shape, job.data.seq_len, job.drafter.num_anchors, args.block_size)
     with ExitStack() as stack:
         live.phase("starting", "transport")
@@ -387,7 +385,7 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
     from .target import resolve_attn
     from .transport import pair_kinds
 
-    job, topo, tc = ctx.job, ctx.topo, ctx.target_config
+    job, topo, spec = ctx.job, ctx.topo, ctx.spec
     rows = [("device", str(ctx.device)), ("hidden-state dtype", str(ctx.dtype).replace("torch.", "")),
             ("process groups (backend)", ", ".join(f"{k} {v}" for k, v in topo.backends.items()) or "none")]
     if job.transport.kind == "files":
@@ -397,10 +395,9 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
         pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
         rows.append(("transport per pair (target->drafter)", pairs))
     rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),
-             ("target hidden size", str(tc["hidden_size"])),
-             ("target attention heads / kv heads", f'{tc["num_attention_heads"]} / '
-                                                     f'{tc.get("num_key_value_heads") or tc["num_attention_heads"]}'),
-             ("target head dim", str(tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]))]
+             ("target hidden size", str(spec.hidden_size)),
+             ("target attention heads / kv heads", f"{spec.num_heads} / {spec.num_kv_heads}"),
+             ("target head dim", str(spec.head_dim))]
     if topo.role == "target":
         rows += [("target attention implementation", resolve_attn(job.target.attn_implementation, ctx.device)),
                  ("target forward compiled", str(job.target.compile and ctx.device.type == "cuda").lower())]

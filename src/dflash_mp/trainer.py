@@ -33,6 +33,7 @@ from .model import ce_kernels
 from .model.loss import LOSS_KERNELS
 from .optim import FlatAdamW
 from .options import resolve_auto
+from .target import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -108,24 +109,24 @@ def add_feature_noise(hidden: torch.Tensor, kind: str, scale: float, num_layers:
     return (x + (scale * rms) * eps).flatten(-2).to(hidden.dtype)
 
 
-def build_drafter_args(cfg: DrafterConfig, target: dict, layer_ids: list[int], mask_token_id: int) -> DrafterArgs:
-    """Drafter hyper-parameters: the user's, with gaps filled from the target's config."""
-    from .export import rope_from_config
-
-    heads = cfg.num_heads or target["num_attention_heads"]
-    rope_theta, rope_scaling = rope_from_config(target)
+def build_drafter_args(cfg: DrafterConfig, target: TargetSpec, layer_ids: list[int], mask_token_id: int) -> DrafterArgs:
+    """Drafter hyper-parameters: the user's, with gaps filled from the target's shape (a TargetSpec,
+    or the config dict it is read from)."""
+    if isinstance(target, dict):
+        target = TargetSpec.from_config(target)
+    heads = cfg.num_heads or target.num_heads
     return DrafterArgs(
-        hidden_size=target["hidden_size"],
-        intermediate_size=cfg.intermediate_size or target["intermediate_size"],
+        hidden_size=target.hidden_size,
+        intermediate_size=cfg.intermediate_size or target.intermediate_size,
         num_layers=cfg.num_layers,
         num_heads=heads,
-        num_kv_heads=cfg.num_kv_heads or target.get("num_key_value_heads") or heads,
-        head_dim=cfg.head_dim or target.get("head_dim") or target["hidden_size"] // heads,
-        vocab_size=target["vocab_size"],
-        rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=target.get("max_position_embeddings", 40960),
+        num_kv_heads=cfg.num_kv_heads or target.num_kv_heads,
+        head_dim=cfg.head_dim or target.head_dim,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
         target_layer_ids=list(layer_ids),
         block_size=cfg.block_size,
         mask_token_id=mask_token_id,

@@ -35,8 +35,6 @@ import jinja2
 import pyarrow as pa
 from datasets.fingerprint import Hasher
 
-from dflash_mp.demo import BUILTIN_DATA, demo_data_path
-
 if TYPE_CHECKING:
     from dflash_mp.data.stream import DataConfig
 
@@ -164,7 +162,7 @@ def _read_json_tolerant(files: list[str]) -> datasets.Dataset:
 
 def is_local(path: str) -> bool:
     """Whether `data.path` names local data (else a hub dataset id)."""
-    return path == BUILTIN_DATA or os.path.exists(path) or path.startswith((".", "/", "~")) \
+    return os.path.exists(path) or path.startswith((".", "/", "~")) \
         or os.path.splitext(path)[1] in FORMATS
 
 
@@ -180,7 +178,8 @@ def explain_skips(skipped: Counter) -> str:
 
 
 def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
-    """The raw conversation rows named by `cfg.path` (local files, 'builtin:demo', or a hub id).
+    """The raw conversation rows named by `cfg.path` (local files or a hub id; `builtin:demo` is resolved
+    to its file before it gets here, by dflash_mp.builtin).
 
     Local files form the "train" split; `cfg.split` may slice it ("train[:90%]").
     """
@@ -190,12 +189,9 @@ def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
         ds = datasets.load_dataset(path, split=cfg.split)
     else:
         check_split(cfg)
-        if path == BUILTIN_DATA:
-            files, fmt = [demo_data_path()], "json"
-        else:
-            files, fmt = _local_files(os.path.expanduser(path))
-            if all(os.path.getsize(f) == 0 for f in files):
-                raise _no_rows(path)
+        files, fmt = _local_files(os.path.expanduser(path))
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise _no_rows(path)
         try:
             ds = datasets.load_dataset(fmt, data_files={"train": files}, split=cfg.split)
             if fmt == "json" and _unaddressable_fields(ds.data.schema):

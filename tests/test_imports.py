@@ -1,0 +1,129 @@
+"""The package's modules import each other without a circle: every module can be read knowing only
+the modules below it. The graph is built from the source (no module is imported), with every
+package-internal import as an edge, wherever it is written (module level, inside a function, a
+package __init__'s re-exports). Imports under `if TYPE_CHECKING:` are left out: they never run, and
+an annotation may name a type of a module above."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+PKG = "dflash_mp"
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", PKG)
+
+
+def module_files(root: str = SRC) -> dict[str, str]:
+    """Dotted module name -> file, for every .py under the package (a package is its __init__)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            if not n.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(d, n), os.path.join(root, ".."))
+            parts = rel[:-3].split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = os.path.join(d, n)
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.body:
+                skip.update(id(n) for n in ast.walk(stmt))
+    return skip
+
+
+def imports_of(name: str, path: str, modules: set[str]) -> set[str]:
+    """The package modules that module `name` imports (an imported name that is a submodule counts
+    as the submodule)."""
+    is_pkg = os.path.basename(path) == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    skip = _type_checking_nodes(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            # `import a.b.c` runs a, a.b and a.b.c: the deepest package module named is the edge.
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name and t != PKG:
+                found.add(t)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(name, path, set(files)) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_graph_sees_function_level_and_reexported_imports():
+    graph = import_graph()
+    assert "dflash_mp.data.chat" in graph["dflash_mp.data"]  # the package __init__'s re-export
+    assert "dflash_mp.builtin.learned" in graph["dflash_mp.builtin.proof"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_core_modules_never_learn_builtin_names():
+    """`builtin:` names are resolved at the edge: target, data, config and plan import nothing of
+    dflash_mp.builtin (they receive real paths)."""
+    graph = import_graph()
+    core = [m for m in graph if m in ("dflash_mp.target", "dflash_mp.config", "dflash_mp.plan")
+            or m == "dflash_mp.data" or m.startswith("dflash_mp.data.")]
+    leaks = {m: sorted(d for d in graph[m] if d.startswith("dflash_mp.builtin")) for m in core}
+    assert not any(leaks.values()), leaks
+
+
+def test_nothing_imports_the_entry_point():
+    graph = import_graph()
+    assert not [m for m, deps in graph.items() if "dflash_mp.main" in deps]

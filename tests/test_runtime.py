@@ -1,0 +1,60 @@
+"""Start-up facts are derived once, at the edge: builtin names become real paths in one place, and
+layer ids, mask id and the target's shape have one derivation that every command shares."""
+
+import os
+
+import pytest
+
+from dflash_mp.builtin import cache_root, resolve, resolve_target_path
+from dflash_mp.config import compose
+from dflash_mp.plan import planned_ids, target_config_for
+from dflash_mp.runtime import prepare
+from dflash_mp.target import TargetSpec
+
+
+def test_resolve_turns_every_builtin_name_into_a_real_path(tmp_path):
+    job = compose([f"target.cache_dir={tmp_path}"])
+    assert job.target.path.startswith("builtin:") and job.data.path.startswith("builtin:")
+    real = resolve(job)
+    assert os.path.isfile(os.path.join(real.target.path, "config.json"))
+    assert os.path.dirname(real.target.path) == str(tmp_path)
+    assert os.path.isfile(real.data.path) and real.data.path.endswith("demo_chat.jsonl")
+    assert resolve(real) == real  # real paths pass through
+    assert job.target.path.startswith("builtin:")  # the caller's job is left as it was
+
+
+def test_one_cache_root_the_setting_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MP_CACHE", str(tmp_path / "env"))
+    assert cache_root("") == str(tmp_path / "env")
+    assert cache_root(str(tmp_path / "set")) == str(tmp_path / "set")
+    monkeypatch.delenv("DFLASH_MP_CACHE")
+    assert cache_root("") == os.path.expanduser(os.path.join("~", ".cache", "dflash_mp"))
+
+
+def test_resolving_an_unbuilt_learned_target_refuses_instead_of_training(tmp_path):
+    with pytest.raises(ValueError, match="build-learned --size tiny"):
+        resolve_target_path("builtin:learned-qwen3", str(tmp_path))
+    with pytest.raises(ValueError, match="build-learned --size medium"):
+        prepare(compose(["target.path=builtin:learned-qwen3-medium", f"target.cache_dir={tmp_path}"]))
+    assert os.listdir(tmp_path) == []  # nothing was trained or written
+
+
+def test_planner_and_run_derive_the_same_layer_ids_and_mask(tmp_path):
+    for extra in ([], ["target.num_capture=2"], ["drafter.mask_token_id=7", "target.layer_ids=[3,1]"]):
+        res = prepare(compose([f"target.cache_dir={tmp_path}", *extra]))
+        assert planned_ids(res.job, target_config_for(res.job)) == (res.layer_ids, res.mask_token_id)
+    assert res.layer_ids == [1, 3] and res.mask_token_id == 7
+    assert res.spec == TargetSpec.from_config(res.target_config)
+
+
+def test_target_spec_reads_either_rope_layout_and_fills_implicit_heads():
+    base = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, vocab_size=100, num_attention_heads=8)
+    spec = TargetSpec.from_config(base)
+    assert (spec.num_kv_heads, spec.head_dim, spec.rope_theta, spec.rope_scaling) == (8, 8, 1e6, None)
+    assert spec.sliding_window is None
+    v4 = TargetSpec.from_config({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    v5 = TargetSpec.from_config({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert v4 == v5 and v4.rope_theta == 5e5 and v4.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    swa = TargetSpec.from_config({**base, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32,
+                                  "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert (swa.num_kv_heads, swa.head_dim, swa.sliding_window) == (2, 16, 32)
