@@ -145,6 +145,14 @@ def resolve_resume(resume: str, root: str) -> str | None:
     return resume
 
 
+def resume_point(resume: str, root: str) -> tuple[int, str | None]:
+    """(step, checkpoint dir) to continue from for `checkpoint.resume`; (0, None): fresh start."""
+    path = resolve_resume(resume, root)
+    if path is None:
+        return 0, None
+    return int(read_manifest(path)["step"]), path
+
+
 def validate_resume(resume: str, root: str, drafter_ranks, world_size: int) -> str | None:
     """Resolve `checkpoint.resume` and check, cheaply and before any process group exists, that the
     checkpoint is complete, readable and written by this topology; ValueError naming the fix."""
@@ -210,11 +218,7 @@ class Checkpointer:
         self.fault = fault
 
     def resolve(self, resume: str) -> tuple[int, str | None]:
-        """(step, checkpoint dir) to continue from for `checkpoint.resume`; (0, None): fresh start."""
-        path = resolve_resume(resume, self.root)
-        if path is None:
-            return 0, None
-        return int(read_manifest(path)["step"]), path
+        return resume_point(resume, self.root)
 
     def save(self, state, step: int, num_steps: int) -> None:
         """Collective over `group`: every drafter rank calls it at the same step."""
