@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import compile_cache
-from .config import JobConfig
 from .compile_stats import counts as compile_counts
+from .config import JobConfig
 from .export import export_drafter, job_yaml
-from .liveness import NullLiveness, process_age_s
+from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Progress, TargetMetrics, make_writer, quiet_console
-from .resilience import StopAgreement, effective_resume, fault_from_env, maybe_fault
+from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
 from .topology import Topology
 from .transport import SlotSpec, build_transport
 
@@ -51,10 +51,10 @@ class RunContext:
     mask_token_id: int
     tokenizer: Any
     dtype: torch.dtype
-    # liveness.Liveness where a watcher runs: it hears this rank's phases and bounds every wait on a
-    # peer; None (tests that build one role directly): the transport's own timeouts bound the waits.
-    live: Any = None
-    stop: Any = None  # resilience.StopSignal: SIGTERM -> checkpoint and a clean exit
+    # The rank's liveness watcher: it hears this rank's phases and bounds every wait on a peer. None
+    # (tests that build one role directly): phases go nowhere and the transport's timeouts bound waits.
+    live: Liveness | None = None
+    stop: StopSignal | None = None  # SIGTERM -> checkpoint and a clean exit
     run_id: str | None = None  # rundir.claim's: in checkpoint manifests, the export and scalar rows
 
     @property
