@@ -115,3 +115,40 @@ def test_resume_restores_each_drafters_anchor_rng(tmp_path):
     # with a reseeded RNG they would (the fresh run's step 1 anchors).
     for step in (3, 4):
         assert second[step] == pytest.approx(first[step], rel=1e-6), (step, second[step], first[step])
+
+
+def _checkpointer_round_trip(rank, world, root):
+    """Save at step 3, note the draws that follow, scramble weights and RNG, load: the same draws."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)  # the same weights on every rank, as the drafters keep them
+    torch.manual_seed(100 + rank)  # each rank's own stream, as anchor sampling has
+    torch.rand(5)  # the stream has moved on since seeding: a reseed would not reproduce what follows
+    cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=2,
+                           manifest={"world_size": world, "run_id": "r1"})
+    cp.save(model, 3, 10)
+    after_save = torch.rand(8)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    torch.manual_seed(7)
+    dist.barrier()  # the leader commits after the save's barrier: resume only once it has
+    step, path = cp.resolve("auto")
+    loaded = cp.load(path, model)
+    return {"step": step, "loaded": loaded, "redraw_equal": torch.equal(torch.rand(8), after_save),
+            "weights_equal": all(torch.equal(model.state_dict()[k], w) for k, w in weights.items()),
+            "manifest": ckpt.read_manifest(path)}
+
+
+def test_checkpointer_round_trip_restores_weights_and_each_ranks_rng(tmp_path):
+    from dist_utils import run_ranks
+
+    out = run_ranks(_checkpointer_round_trip, 2, str(tmp_path), timeout=60)
+    for r in out:
+        assert r["step"] == r["loaded"] == 3
+        assert r["weights_equal"] and r["redraw_equal"], r
+    m = out[0]["manifest"]
+    assert m["num_steps"] == 10 and m["world_size"] == 2 and m["run_id"] == "r1"
+    assert m["files"] == ["drafter.pt", "rng_rank0.pt", "rng_rank1.pt"]
+    assert ckpt.Checkpointer(str(tmp_path / "none"), 0, True, None, 2).resolve("") == (0, None)

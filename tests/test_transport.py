@@ -75,3 +75,17 @@ def test_end_of_data_mismatches(kind):
     results = run_ranks(rank_end_mismatch, 2, kind, 3, 2, timeout=60, allow_failures=True)
     assert "expect_end" in results[1] and "expected end-of-data" in results[1]
     assert isinstance(results[0], RankFailure) and "drafter rank 1" in results[0].error
+
+
+def test_every_receiver_implements_the_one_protocol():
+    """A drafter run calls recv/expect_end/seek/verify/stats/close on whatever feeds it, never
+    probing for a method: each receiver kind implements all of them."""
+    from dflash_mp.transport.base import BaseReceiver, Receiver
+    from dflash_mp.transport.files import FilesReceiver
+
+    for cls in (Receiver, FilesReceiver):
+        assert issubclass(cls, BaseReceiver) and not cls.__abstractmethods__, (cls, cls.__abstractmethods__)
+    with Receiver({}) as rx:  # streamed pairs: targets re-position themselves, seek moves nothing
+        rx.seek(5)
+        rx.verify()
+        assert rx.stats() == {"wait_ms": 0.0, "bytes_received": 0}

@@ -4,6 +4,8 @@ Layout: `<root>/step_00000042/{manifest.json, drafter.pt, rng_rank{r}.pt}`. Ever
 into `<root>/.tmp_step_00000042` first; the manifest goes last and the directory is renamed only
 when complete, so a kill mid-write leaves the previous checkpoint the newest loadable one.
 Target ranks need no state of their own: their data cursor is a function of the drafter step.
+`Checkpointer` is the protocol a drafter rank runs (save, resume, RNG state); the functions below are
+the file-level parts it, `rundir` and start-up validation share.
 `drafter.pt` holds `{"drafter": fp32 master weights by parameter name, "optimizer": the flat AdamW
 moments and step count, "step": int}` (`DrafterTrainer.state_dict`).
 """
@@ -20,6 +22,9 @@ import zipfile
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from .resilience import maybe_fault
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,14 @@ def resolve_resume(resume: str, root: str) -> str | None:
     return resume
 
 
+def resume_point(resume: str, root: str) -> tuple[int, str | None]:
+    """(step, checkpoint dir) to continue from for `checkpoint.resume`; (0, None): fresh start."""
+    path = resolve_resume(resume, root)
+    if path is None:
+        return 0, None
+    return int(read_manifest(path)["step"]), path
+
+
 def validate_resume(resume: str, root: str, drafter_ranks, world_size: int) -> str | None:
     """Resolve `checkpoint.resume` and check, cheaply and before any process group exists, that the
     checkpoint is complete, readable and written by this topology; ValueError naming the fix."""
@@ -150,7 +163,7 @@ def validate_resume(resume: str, root: str, drafter_ranks, world_size: int) -> s
     if manifest.get("world_size", world_size) != world_size:
         raise ValueError(f"checkpoint {path} was written by a {manifest['world_size']}-rank job; this one has "
                          f"{world_size}: resume with the same topology (rng state is per rank).")
-    for name in ["drafter.pt"] + [f"rng_rank{r}.pt" for r in drafter_ranks]:
+    for name in ["drafter.pt"] + [rng_file(r) for r in drafter_ranks]:
         file = os.path.join(path, name)
         if not os.path.exists(file):
             raise ValueError(f"checkpoint {path} has no {name}: pick another checkpoint or resume=auto.")
@@ -169,3 +182,59 @@ def load_file(path: str, name: str, map_location="cpu"):
     except Exception as e:  # a torn or foreign file: name it, never crash deep inside torch
         raise ValueError(f"checkpoint file {os.path.join(path, name)} cannot be loaded ({e}): pick another "
                          "checkpoint (checkpoint.resume) or start fresh (checkpoint.resume='').") from None
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def get_rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """One drafter rank's side of the checkpoint protocol.
+
+    Every drafter writes its own RNG state (anchor sampling differs per rank, so a resumed rank must
+    draw what the uninterrupted one would have); the role leader writes the trainer state (identical
+    on every rank); after a barrier over `group` the leader commits the manifest. `state` is anything
+    with `state_dict()` / `load_state_dict()` (the `DrafterTrainer`). `manifest`: extra facts recorded
+    with every checkpoint (topology, run id); `fault`: tests kill a rank between two files of one save.
+    """
+
+    def __init__(self, root: str, rank: int, leader: bool, group, keep: int, manifest: dict | None = None,
+                 fault=None):
+        self.root, self.rank, self.leader, self.group, self.keep = root, rank, leader, group, keep
+        self.manifest = dict(manifest or {})
+        self.fault = fault
+
+    def resolve(self, resume: str) -> tuple[int, str | None]:
+        return resume_point(resume, self.root)
+
+    def save(self, state, step: int, num_steps: int) -> None:
+        """Collective over `group`: every drafter rank calls it at the same step."""
+        tmp = tmp_dir(self.root, step)
+        os.makedirs(tmp, exist_ok=True)
+        save_file(get_rng_state(), os.path.join(tmp, rng_file(self.rank)))
+        maybe_fault(self.fault, self.rank, step, "checkpoint")
+        if self.leader:
+            save_file(state.state_dict(), os.path.join(tmp, "drafter.pt"))
+        dist.barrier(group=self.group)
+        if self.leader:
+            commit(self.root, step, {"num_steps": num_steps, **self.manifest}, self.keep)
+
+    def load(self, path: str, state, map_location="cpu") -> int:
+        """Restore `state` and this rank's RNG from checkpoint `path`; returns its step."""
+        step = int(read_manifest(path)["step"])
+        state.load_state_dict(load_file(path, "drafter.pt", map_location=map_location))
+        set_rng_state(load_file(path, rng_file(self.rank)))
+        return step

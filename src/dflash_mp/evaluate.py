@@ -137,7 +137,7 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     from .model import anchor_candidates, block_labels, build_blocks, dflash_loss, slot_weights
     from .model.loss import DEFAULT_GAMMA
     from .target import TargetWorker, load_target_head
-    from .trainer import _Stats
+    from .trainer import IntervalStats
 
     part = "eval" if job.data.eval_fraction > 0 else "train"
     data_cfg = dataclasses.replace(job.data, shuffle=False)
@@ -149,7 +149,7 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     embed, head = load_target_head(target_path, dtype, device)
     b, chunk = args.block_size, cfg.num_anchors
     weights = slot_weights(b, job.drafter.gamma or DEFAULT_GAMMA.get(b, 4.0), device=device)  # loss only
-    stats = _Stats(b, device)
+    stats = IntervalStats(b, device)
     path_blocks: list[int] = []
     it = iter(stream)
     for _ in range(num_batches):

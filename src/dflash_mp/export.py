@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from dflash_mp.model.drafter import DFlashDrafter, DrafterArgs
@@ -111,6 +112,11 @@ def args_from_config(config: dict) -> DrafterArgs:
         layer_types=config.get("layer_types"),
         sliding_window=config.get("sliding_window") if sliding else None,
     )
+
+
+def job_yaml(job) -> str:
+    """The resolved job config (a `config.JobConfig`) as YAML, as a run shows it next to its scalars."""
+    return OmegaConf.to_yaml(OmegaConf.structured(job))
 
 
 def _write_synced(path: Path, write) -> None:

@@ -76,9 +76,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                 with open(os.path.join(job.run_dir, "config.yaml"), "w") as f:
                     f.write(OmegaConf.to_yaml(raw, resolve=True))
         ctx = RunContext(job, topo, device, res.target_path, res.target_config, res.layer_ids, res.mask_token_id,
-                         res.tokenizer, res.dtype, live=live)
-        ctx.stop = stop
-        ctx.run_id = run_id
+                         res.tokenizer, res.dtype, live=live, stop=stop, run_id=run_id)
         (run_target if topo.role == "target" else run_drafter)(ctx)
         live.done()
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer

@@ -1,7 +1,8 @@
 """TensorBoard scalars reduced over a role's group, and the console progress bar.
 
 Rank-specific side effects go through null objects: every rank calls `log(...)`; only the role
-leader owns a real writer and bar.
+leader owns a real writer and bar. `DrafterMetrics` and `TargetMetrics` own each role's interval
+accumulators and FLOP model: the run loop calls `update` per step and `flush` at logging steps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .compile_stats import counts as compile_counts
+from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
+                    target_forward_flops)
+from .resilience import DataTally
 
 log = logging.getLogger(__name__)
 
@@ -337,3 +343,128 @@ class Timer:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+class DrafterMetrics:
+    """A drafter rank's logging interval: receive waits, what it consumed (`DataTally`), the FLOP model
+    of its step, and the rows written at each logging step. `flush` is collective over `group`."""
+
+    def __init__(self, writer, bar: Progress, group, role_size: int, args, seq_len: int, num_anchors: int,
+                 peak_tflops: float, device: torch.device, start: int):
+        self.writer, self.bar, self.group, self.n = writer, bar, group, role_size
+        self.shape = DrafterShape.from_args(args)
+        self.b = args.block_size
+        self.step_flops = drafter_matmul_flops(self.shape, seq_len, num_anchors, self.b)
+        self.seq_len, self.peak_flops, self.device = seq_len, peak_tflops * 1e12, device
+        self.tally = DataTally(device)
+        self.t0, self.wait_s, self.last, self.log_ms = time.perf_counter(), 0.0, start, None
+        self.graphs_after_warmup = 0
+
+    def mark_warm(self) -> None:
+        """Graphs compiled so far are warm-up's; any later one counts as a recompile."""
+        self.graphs_after_warmup = compile_counts()["graphs"]
+
+    def recompiles(self) -> int:
+        return compile_counts()["graphs"] - self.graphs_after_warmup
+
+    def update(self, hb, wait_s: float) -> None:
+        """One received batch and the host time spent waiting for it."""
+        self.wait_s += wait_s
+        self.tally.add(hb)
+
+    def flush(self, step: int, trainer, lr: float, final: bool = False) -> dict[str, float]:
+        """Reduce the interval over the drafters, write its rows, advance the bar; `final`: the run's
+        last step (the acceptance curve is drawn there whatever `curve_every` says)."""
+        tl = time.perf_counter()
+        dt = tl - self.t0
+        w = self.writer
+        phases = trainer.phase_ms()  # before the reductions below: reads events the last step recorded
+        s = trainer.stats.pop()
+        s.update(self.tally.pop())  # same all-reduce
+        tot = reduce_scalars(s, self.group, mode="sum")
+        n, b = self.n, self.b
+        steps = tot["steps"] / n  # every drafter runs the same steps
+        vals = {
+            "loss": tot["loss_sum"] / max(tot["steps"], 1),
+            "grad_norm": tot["gnorm_sum"] / max(tot["steps"], 1),
+            "tau_sim": tot["tau_sum"] / max(tot["blocks"], 1),
+        }
+        w.add_scalar("drafter/loss", vals["loss"], step)
+        w.add_scalar("drafter/grad_norm", vals["grad_norm"], step)
+        w.add_scalar("drafter/tau_sim", vals["tau_sim"], step)
+        w.add_scalar("drafter/lr", lr, step)
+        w.add_scalar("drafter/skipped_steps", tot["skipped"] / n, step)  # non-finite gradients, update skipped
+        accs = [tot[f"slot_correct_{k}"] / max(tot[f"slot_count_{k}"], 1) for k in range(1, b)]
+        for k, acc in enumerate(accs, start=1):
+            w.add_scalar(f"drafter/acc_slot_{k}", acc, step)
+        w.acceptance(step, accs, vals["tau_sim"], final)
+        # Wall time is the slowest rank's, but all ranks are in lock-step through the all-reduce.
+        samples = tot["steps"]
+        vis_pairs = self.shape.num_layers * (tot["ctx_keys"] * b + tot["blocks"] * b * b)
+        flops = samples * self.step_flops + drafter_attention_flops(self.shape, vis_pairs)
+        w.add_scalar("throughput/samples_per_s", samples / dt, step)
+        w.add_scalar("throughput/tokens_per_s", samples * self.seq_len / dt, step)
+        w.add_scalar("throughput/mfu", flops / n / dt / self.peak_flops, step)
+        w.add_scalar("comm/wait_ms", 1000 * self.wait_s / max(steps, 1), step)
+        # Where the last step's time went (this rank; GPU time between events on CUDA), and what logging costs.
+        for name, ms in phases.items():
+            w.add_scalar(f"time/{name}_ms", ms, step)
+        if self.log_ms is not None:
+            w.add_scalar("time/logging_ms", self.log_ms, step)
+        # What the drafters consumed in this interval: proves nothing lost or repeated.
+        w.add_scalar("data/docs", tot["data_docs"], step)
+        w.add_scalar("data/tokens", tot["data_tokens"], step)
+        w.add_row("data/checksum", tot["data_checksum"], step)  # for tests and scripts: no chart
+        c = compile_counts()
+        w.add_scalar("compile/graphs", c["graphs"], step)
+        w.add_scalar("compile/cudagraph_records", c["cudagraph_records"], step)
+        w.add_scalar("compile/recompiles", c["graphs"] - self.graphs_after_warmup, step)
+        if self.device.type == "cuda":
+            w.add_scalar("memory/max_reserved_gib", torch.cuda.max_memory_reserved(self.device) / 2**30, step)
+        w.flush()
+        self.bar.update(step - self.last, {"loss": vals["loss"], "tau": vals["tau_sim"]})
+        self.t0, self.wait_s, self.last = time.perf_counter(), 0.0, step
+        self.log_ms = 1000 * (self.t0 - tl)  # host time this logging step took, logged with the next
+        return vals
+
+
+class TargetMetrics:
+    """A target rank's logging interval: tokens, documents and forward FLOPs sent, and the rows
+    written at each logging step. `flush` is collective over `group`."""
+
+    def __init__(self, writer, group, role_size: int, spec, num_layers: int, peak_tflops: float,
+                 device: torch.device, skipped: dict[str, int], start: int):
+        self.writer, self.group, self.n = writer, group, role_size
+        self.spec, self.num_layers = spec, num_layers  # spec: target.TargetSpec
+        self.peak_flops, self.device, self.skipped = peak_tflops * 1e12, device, skipped
+        self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, start
+
+    def update(self, pb) -> None:
+        """One packed batch forwarded and sent."""
+        self.tokens += pb.num_valid_tokens
+        self.docs += pb.num_docs
+        pairs = causal_pairs_packed(torch.bincount(pb.doc_ids[pb.doc_ids >= 0]).tolist())
+        self.flops += target_forward_flops(self.spec, self.num_layers, pb.seq_len, pairs)
+
+    def flush(self, step: int, sender_stats: dict) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        st, w, n = sender_stats, self.writer, self.n
+        vals = reduce_scalars({"tokens_per_s": self.tokens / dt, "mfu": self.flops / dt / self.peak_flops,
+                               # per step, like the drafter's comm/wait_ms
+                               "stall_ms": st.get("stall_ms", 0.0) / (step - self.last),
+                               "in_flight": st.get("in_flight", 0),
+                               "docs": self.docs, "tokens": self.tokens}, self.group)
+        # Rows and documents sent in this interval (all targets), and the rows the data set
+        # skipped, by reason (every target tokenizes the whole set: the counts agree).
+        w.add_scalar("data/docs", round(vals["docs"] * n), step)
+        w.add_scalar("data/tokens", round(vals["tokens"] * n), step)
+        for reason, k in sorted(self.skipped.items()):
+            w.add_scalar(f"data/skipped_{reason}", k, step)
+        w.add_scalar("target/tokens_per_s", vals["tokens_per_s"] * n, step)
+        w.add_scalar("target/mfu", vals["mfu"], step)
+        w.add_scalar("comm/stall_ms", vals["stall_ms"], step)
+        w.add_scalar("comm/in_flight", vals["in_flight"], step)
+        w.flush()
+        self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, step

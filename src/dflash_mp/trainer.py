@@ -254,7 +254,7 @@ class DrafterTrainer:
         objective.feature_noise = (cfg.feature_noise, float(cfg.feature_noise_scale))
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel)
         b = objective.args.block_size
-        self.stats = _Stats(b, device)
+        self.stats = IntervalStats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step
 
     def train_step(self, hb: HiddenBatch, timed: bool = False) -> float:
@@ -365,7 +365,7 @@ class _Marks:
         return out
 
 
-class _Stats:
+class IntervalStats:
     """Device-side sums over a logging interval; `pop()` is the one host sync."""
 
     def __init__(self, block_size: int, device: torch.device):

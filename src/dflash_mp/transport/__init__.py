@@ -17,12 +17,12 @@ import logging
 from dataclasses import dataclass
 
 from dflash_mp.topology import TARGET, Topology
-from dflash_mp.transport.base import Receiver, Sender, SlotSpec
+from dflash_mp.transport.base import BaseReceiver, Receiver, Sender, SlotSpec
 from dflash_mp.transport.p2p import P2PRecvChannel, P2PSendChannel
 from dflash_mp.transport.shm import open_shm_channels, sweep_stale_segments
 
 __all__ = [
-    "TransportConfig", "SlotSpec", "Sender", "Receiver",
+    "TransportConfig", "SlotSpec", "Sender", "Receiver", "BaseReceiver",
     "build_transport", "pair_kinds", "p2p_pairs", "sweep_stale_segments",
 ]
 
@@ -77,7 +77,7 @@ def p2p_pairs(cfg: TransportConfig, topology: Topology) -> list[tuple[int, int]]
     return [p for p, k in sorted(pair_kinds(cfg, topology).items()) if k == "p2p"]
 
 
-def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, live=None) -> Sender | Receiver:
+def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, live=None) -> Sender | BaseReceiver:
     """This rank's end of the transport: a Sender on target ranks, a Receiver on drafter ranks.
 
     Collective: call it on every rank at the same point, after `topology.init_groups()` (shm setup

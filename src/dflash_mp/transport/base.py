@@ -8,11 +8,13 @@ A message on a (target, drafter) pair is one fixed-size slot of bytes, viewed as
 
 so a batch is exactly one message (one NCCL/gloo transfer, one ring slot). A transport is a set of
 per-pair channels; `Sender` and `Receiver` route by peer rank, so one rank can mix shm pairs (same
-node) and p2p pairs.
+node) and p2p pairs. `BaseReceiver` is what a drafter run calls on whatever feeds it (the streaming
+`Receiver`, or `files.FilesReceiver` over a dump).
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -326,7 +328,41 @@ class Sender(_Endpoint):
         }
 
 
-class Receiver(_Endpoint):
+class BaseReceiver(abc.ABC):
+    """The drafter side of every transport: a drafter run calls exactly these, whatever the kind."""
+
+    @abc.abstractmethod
+    def recv(self, src: int) -> HiddenBatch:
+        """Next batch from `src`; its tensors stay valid until the next recv(src)."""
+
+    @abc.abstractmethod
+    def expect_end(self, src: int) -> None:
+        """Once per source after the last step: the source has nothing more (raises if it has)."""
+
+    @abc.abstractmethod
+    def seek(self, step: int) -> None:
+        """Continue at drafter step `step` (a resumed run), before the first recv."""
+
+    @abc.abstractmethod
+    def verify(self) -> None:
+        """Raise if a message received so far was wrong (may sync the device: call it rarely)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """wait_ms / bytes_received since the previous call."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Idempotent; releases every buffer, also after an error."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Receiver(_Endpoint, BaseReceiver):
     """Drafter side: `recv(src)` per batch, `expect_end(src)` once per source, `close()` always."""
 
     def __init__(self, channels: dict[int, RecvChannel]):
@@ -338,6 +374,10 @@ class Receiver(_Endpoint):
 
     def expect_end(self, src: int) -> None:
         self._channel(src).expect_end()
+
+    def seek(self, step: int) -> None:
+        """Nothing to move here: each target re-positions its own data at the resumed step (its cursor
+        is a function of the drafter step), so the next message on every pair is already the right one."""
 
     def stats(self) -> dict:
         """wait_ms / bytes_received: since the previous call."""

@@ -30,7 +30,7 @@ import torch
 
 from dflash_mp.batch import TOKEN_FIELDS, HiddenBatch
 from dflash_mp.topology import FILES_SOURCE, Topology
-from dflash_mp.transport.base import SlotSpec
+from dflash_mp.transport.base import BaseReceiver, SlotSpec
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -56,8 +56,8 @@ def batch_index(manifest: dict) -> list[tuple[str, int]]:
     return [per_rank[r][i] for i in range(longest) for r in sorted(per_rank) if i < len(per_rank[r])]
 
 
-class FilesReceiver:
-    """The Receiver API (`recv(src)`, `expect_end(src)`, `stats()`, `verify()`, `close()`) over a dump."""
+class FilesReceiver(BaseReceiver):
+    """`BaseReceiver` over a dump: one source (`FILES_SOURCE`), positioned by the drafter step."""
 
     def __init__(self, files_dir: str, topology: Topology, spec: SlotSpec, prefetch: int = 2):
         m = read_manifest(files_dir)
@@ -168,9 +168,3 @@ class FilesReceiver:
         self._ahead.clear()
         self._pool.shutdown(wait=True)
         self._handles.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
