@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from dflash_mp.batch import HiddenBatch
 from dflash_mp.cli import compose_tool
 from dflash_mp.config import compose
-from dflash_mp.dump import (DumpConfig, bytes_per_token, check_disk, check_options, run_dump, shard_name, shard_plan,
-                            write_shard)
+from dflash_mp.dump import (DumpConfig, bytes_per_token, check_disk, check_options, run_dump, shard_name,
+                            shard_plan, write_shard)
 from dflash_mp.topology import FILES_SOURCE, Topology
 from dflash_mp.transport import SlotSpec, TransportConfig, build_transport, pair_kinds
 from dflash_mp.transport.files import FilesReceiver, batch_index
@@ -48,7 +48,8 @@ def test_shard_plan_and_bytes_per_token():
 
 
 def test_command_line_splits_dump_options():
-    job, cfg = compose_tool("dump", DumpConfig, ["dump.dir=/x", "dump.batches_per_shard=5", "data.seq_len=64"])
+    argv = ["dump.dir=/x", "dump.batches_per_shard=5", "data.seq_len=64"]
+    job, cfg = compose_tool("dump", DumpConfig, argv)
     assert (cfg.dir, cfg.batches_per_shard, job.data.seq_len) == ("/x", 5, 64)
     with pytest.raises(ValueError, match="dump.dir"):
         check_options(compose_tool("dump", DumpConfig, ["data.seq_len=64"])[1])
