@@ -26,7 +26,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .config import CONF_DIR, JobConfig, register
+from .config import CONF_DIR, JobConfig
 
 
 def tool_main(node: str, schema: type, run: Callable[[JobConfig, Any], Any], doc: str,
@@ -77,6 +77,8 @@ def compose_tool(node: str, schema: type, argv: list[str], command: str = "") ->
         key = arg.partition("=")[0]
         overrides.append(f"{node}.{arg}" if key in own else arg)
     full = tool_schema(node, schema)
+    # Stored under the job's own name, so conf/config.yaml's defaults pick it up unchanged; every
+    # composer registers its schema first (config.compose, main), so the job never sees this one.
     ConfigStore.instance().store(name="job_schema", node=full)
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -84,8 +86,6 @@ def compose_tool(node: str, schema: type, argv: list[str], command: str = "") ->
         obj = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(_explain(e, full, command)) from None
-    finally:
-        register()  # the plain job schema again, for whatever composes next in this process
     job = JobConfig(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(JobConfig)})
     return job, getattr(obj, node)
 
