@@ -6,7 +6,7 @@
 #   cold    the README production job on ONE GPU (1+1 sharing it) from an empty Inductor cache,
 #           no timeout override: exit code, time to first step, samples/s (fills the cache)
 #   splits  the production job on every split of the lent GPUs, warm cache (RUN_SPLITS below)
-#   plan    the planner's prediction, estimated and --measure'd, for the same GPUs
+#   plan    the planner's prediction, estimated and measured (plan.measure=true), for the same GPUs
 # Each job's run dir and log go to $WORK; per-run figures to $OUT/splits.json (bench/splits.py).
 set -u
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
@@ -66,8 +66,8 @@ if has splits; then
     done
 fi
 if has plan; then
-    step plan_estimate 60 python3 -m dflash_mp.plan experiment=qwen3_8b world_size=2
-    step plan_measure 240 python3 -m dflash_mp.plan experiment=qwen3_8b world_size=2 --measure
+    step plan_estimate 60 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2
+    step plan_measure 240 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2 plan.measure=true
 fi
 python3 bench/splits.py "$WORK" | tee "$OUT/splits.txt"
 grep -E "^(transport|p2p|shm) " -A0 "$LOG" | cut -c1-120

@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_mp.batch import HiddenBatch
+from dflash_mp.cli import compose_tool
 from dflash_mp.config import compose
-from dflash_mp.dump import (DumpConfig, bytes_per_token, check_disk, parse_args, run_dump, shard_name, shard_plan,
-                            write_shard)
+from dflash_mp.dump import (DumpConfig, bytes_per_token, check_disk, check_options, run_dump, shard_name,
+                            shard_plan, write_shard)
 from dflash_mp.topology import FILES_SOURCE, Topology
 from dflash_mp.transport import SlotSpec, TransportConfig, build_transport, pair_kinds
 from dflash_mp.transport.files import FilesReceiver, batch_index
@@ -46,13 +47,14 @@ def test_shard_plan_and_bytes_per_token():
     assert bytes_per_token(5 * 4096, torch.bfloat16) == 40960 + 32
 
 
-def test_parse_args_splits_dump_options():
-    cfg, rest = parse_args(["dump.dir=/x", "dump.batches_per_shard=5", "data.seq_len=64"])
-    assert (cfg.dir, cfg.batches_per_shard, rest) == ("/x", 5, ["data.seq_len=64"])
+def test_command_line_splits_dump_options():
+    argv = ["dump.dir=/x", "dump.batches_per_shard=5", "data.seq_len=64"]
+    job, cfg = compose_tool("dump", DumpConfig, argv)
+    assert (cfg.dir, cfg.batches_per_shard, job.data.seq_len) == ("/x", 5, 64)
     with pytest.raises(ValueError, match="dump.dir"):
-        parse_args(["data.seq_len=64"])
+        check_options(compose_tool("dump", DumpConfig, ["data.seq_len=64"])[1])
     with pytest.raises(ValueError, match="dump.batches_per_shard"):
-        parse_args(["dump.dir=/x", "dump.bogus=1"])
+        compose_tool("dump", DumpConfig, ["dump.dir=/x", "dump.bogus=1"])
 
 
 def test_disk_warning(tmp_path, monkeypatch, caplog):

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from dflash_mp.cli import compose_tool
 from dflash_mp.config import compose
 from dflash_mp.evaluate import EvalConfig, main, walk_decode_path
 from dflash_mp.model import anchor_candidates
-from dflash_mp.regenerate import split_overrides
 
 DATA = ["data.max_rows=40", "data.eval_fraction=0.25", "data.seq_len=256"]
 EVAL = ["eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_batches=2", "eval.num_anchors=32"]
@@ -82,7 +82,7 @@ def test_not_lossless_fails_loudly(export, tmp_path, monkeypatch):
 
 
 def test_overrides_reach_the_job_config():
-    mine, rest = split_overrides(["checkpoint=x", "eval.num_prompts=4", "data.path=y", "checkpoint.resume=auto"],
-                                 EvalConfig)
-    assert mine == {"checkpoint": "x", "num_prompts": "4"}
-    assert rest == ["data.path=y", "checkpoint.resume=auto"]
+    job, mine = compose_tool("eval", EvalConfig,
+                             ["checkpoint=x", "eval.num_prompts=4", "data.path=y", "checkpoint.resume=auto"])
+    assert (mine.checkpoint, mine.num_prompts) == ("x", 4)
+    assert (job.data.path, job.checkpoint.resume) == ("y", "auto")

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from dflash_mp.regenerate import conversation_key, main, split_overrides
+from dflash_mp.cli import compose_tool
+from dflash_mp.regenerate import conversation_key, main
 
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]},
@@ -77,8 +78,9 @@ def test_resume_format_and_determinism(data, capsys):
 def test_overrides_split_between_tool_and_job():
     from dflash_mp.regenerate import RegenConfig
 
-    mine, job = split_overrides(["out=x.jsonl", "temperature=0.7", "data.path=y", "target.path=z"], RegenConfig)
-    assert mine == {"out": "x.jsonl", "temperature": "0.7"} and job == ["data.path=y", "target.path=z"]
+    argv = ["out=x.jsonl", "temperature=0.7", "data.path=y", "target.path=z"]
+    job, mine = compose_tool("regen", RegenConfig, argv)
+    assert (mine.out, mine.temperature) == ("x.jsonl", 0.7) and (job.data.path, job.target.path) == ("y", "z")
     with pytest.raises(ValueError, match="out="):
         main(["data.path=builtin:demo"])
 

@@ -21,14 +21,13 @@ import json
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .batch import TOKEN_FIELDS
-from .config import compose
+from .cli import entry, tool_main
 from .data import build_stream
 from .roles import seek
 from .runtime import pick_device, prepare, setup_logging
@@ -89,23 +88,11 @@ def _atomic_json(obj: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def parse_args(argv: list[str]) -> tuple[DumpConfig, list[str]]:
-    cfg, rest = DumpConfig(), []
-    fields = {f.name: f.type for f in dataclasses.fields(DumpConfig)}
-    for a in argv:
-        key, _, val = a.partition("=")
-        if key.startswith("dump."):
-            name = key[len("dump."):]
-            if name not in fields:
-                raise ValueError(f"unknown option {key}; dump options: {', '.join('dump.' + n for n in fields)}")
-            setattr(cfg, name, int(val) if fields[name] in ("int", int) else val)
-        else:
-            rest.append(a)
+def check_options(cfg: DumpConfig) -> None:
     if not cfg.dir:
         raise ValueError("set dump.dir=DIR: where the shards and manifest.json go.")
     if cfg.batches_per_shard < 1:
         raise ValueError(f"dump.batches_per_shard={cfg.batches_per_shard}: use 1 or more.")
-    return cfg, rest
 
 
 def run_dump(job, cfg: DumpConfig) -> dict | None:
@@ -182,10 +169,14 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
             dist.destroy_process_group()
 
 
+def dump_command(job, cfg: DumpConfig) -> None:
+    check_options(cfg)
+    run_dump(job, cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
-    cfg, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
-    run_dump(compose(overrides), cfg)
+    tool_main("dump", DumpConfig, dump_command, __doc__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

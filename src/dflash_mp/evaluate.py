@@ -1,6 +1,6 @@
 """Evaluate an exported drafter against its target: simulated and live acceptance.
 
-    python -m dflash_mp.evaluate checkpoint=outputs/default/export [target.path=...] [data.path=...] \
+    python -m dflash_mp.evaluate eval.checkpoint=outputs/default/export [target.path=...] [data.path=...] \
         [eval.num_prompts=16] [eval.max_new_tokens=64] [eval.block_size=B] [eval.out=PATH]
 
 `target.*` and `data.*` are the training job's config fields (same defaults, same overrides), so the
@@ -39,6 +39,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+from .cli import entry, tool_main
 
 log = logging.getLogger(__name__)
 
@@ -310,23 +312,19 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .config import compose
-    from .regenerate import build_own, split_overrides
-
+def evaluate_command(job, cfg: EvalConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    argv = sys.argv[1:] if argv is None else argv
-    own, rest = split_overrides(argv, EvalConfig)
     try:
-        evaluate(compose(rest), build_own(EvalConfig, own))
+        evaluate(job, cfg)
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
 
 
+def main(argv: list[str] | None = None) -> None:
+    tool_main("eval", EvalConfig, evaluate_command, __doc__, argv)
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # a user error: its message names the setting and the fix
-        sys.exit(f"error: {e}")
+    entry(main)

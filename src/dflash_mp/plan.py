@@ -1,30 +1,30 @@
 """Split planner: how many GPUs should run the target, and how many the drafter?
 
-    python -m dflash_mp.plan target=qwen3_8b drafter=qwen3_8b world_size=8 [data.seq_len=3072]
-        [peak_tflops=790] [target_mfu=0.6 drafter_mfu=0.5] [doc_len=1024] [shared_efficiency=0.9] [--measure]
+    python -m dflash_mp.plan experiment=qwen3_8b plan.world_size=8 [data.seq_len=3072]
+        [plan.peak_tflops=790] [plan.target_mfu=0.6 plan.drafter_mfu=0.5] [plan.measure=true]
 
 A "sample" is one packed batch of `data.seq_len` tokens: a target rank produces samples, a drafter
 rank consumes one per step. Per-GPU rates come from the model FLOPs of `dflash_mp.flops` against
-`peak_tflops * mfu` (or, with `--measure`, from timing both on the local accelerator). A split of
+`peak_tflops * mfu` (or, with `plan.measure=true`, from timing both on the local accelerator). A split of
 `W` GPUs into `n` target and `W - n` drafter GPUs delivers `min(n * t, (W - n) * d)` samples/s.
 When the rates do not divide evenly, one GPU shared by a target and a drafter process (over the shm
 ring; its throughput split between them) can close the gap, up to the fluid bound `W*t*d/(t+d)`.
 
-Everything above `main()` is pure: numbers in, numbers out.
+Everything above the command line (`run_plan`, `main`) is pure: numbers in, numbers out.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .archs import TARGET_ARCHS, known_target_config
 from .batch import HiddenBatch, PackedBatch
-from .config import compose
+from .cli import entry, tool_main
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
                     target_forward_flops)
 from .model import DFlashDrafter
@@ -248,8 +248,15 @@ def measure_rates(job, target_config: dict, iters: int = 5) -> tuple[float, floa
 
 
 # ------------------------------------------------------------------------------------------- CLI
-PLAN_KEYS = {"world_size": int, "peak_tflops": float, "target_mfu": float, "drafter_mfu": float,
-             "doc_len": int, "shared_efficiency": float}
+@dataclass
+class PlanConfig:
+    world_size: int = 8  # GPUs to split between target and drafter ranks
+    peak_tflops: Optional[float] = None  # per-GPU dense bf16 rate; null = logging.peak_tflops
+    target_mfu: float = TARGET_MFU  # fraction of peak the target's forward reaches
+    drafter_mfu: float = DRAFTER_MFU  # fraction of peak the drafter's train step reaches
+    doc_len: int = 1024  # mean document length, for the attention FLOPs of packed batches
+    shared_efficiency: float = 0.9  # throughput kept by a GPU shared by a target and a drafter
+    measure: bool = False  # time both on the local accelerator instead of estimating from FLOPs
 
 
 def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int) -> str:
@@ -279,32 +286,24 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    measure = "--measure" in argv
-    argv = [a for a in argv if a != "--measure"]
-    opts: dict = {"world_size": 8, "target_mfu": TARGET_MFU, "drafter_mfu": DRAFTER_MFU, "doc_len": 1024,
-                  "shared_efficiency": 0.9}
-    overrides = []
-    for a in argv:
-        key, _, val = a.partition("=")
-        if key in PLAN_KEYS:
-            opts[key] = PLAN_KEYS[key](val)
-        else:
-            overrides.append(a)
-    job = resolve(compose(overrides))
-    peak = opts.get("peak_tflops", job.logging.peak_tflops)
+def run_plan(job, opts: PlanConfig) -> None:
+    job = resolve(job)  # builtin names -> real paths
+    peak = job.logging.peak_tflops if opts.peak_tflops is None else opts.peak_tflops
     tcfg = target_config_for(job)
-    if measure:
+    if opts.measure:
         t, d = measure_rates(job, tcfg)
         print("measured on the local device")
     else:
-        t, d = job_workload(job, tcfg, opts["doc_len"]).rates(peak, opts["target_mfu"], opts["drafter_mfu"])
-        print(f"estimated from FLOPs at {peak:g} TFLOP/s, MFU target {opts['target_mfu']:g} / "
-              f"drafter {opts['drafter_mfu']:g}")
-    world = opts["world_size"]
-    print(format_report(world, t, d, plan_layouts(world, t, d, opts["shared_efficiency"]), job.data.seq_len))
+        t, d = job_workload(job, tcfg, opts.doc_len).rates(peak, opts.target_mfu, opts.drafter_mfu)
+        print(f"estimated from FLOPs at {peak:g} TFLOP/s, MFU target {opts.target_mfu:g} / "
+              f"drafter {opts.drafter_mfu:g}")
+    world = opts.world_size
+    print(format_report(world, t, d, plan_layouts(world, t, d, opts.shared_efficiency), job.data.seq_len))
+
+
+def main(argv: list[str] | None = None) -> None:
+    tool_main("plan", PlanConfig, run_plan, __doc__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

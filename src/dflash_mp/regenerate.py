@@ -3,8 +3,8 @@
 A drafter learns to predict the target, so it should train on what the target itself says, not on
 what some other model wrote (the DFlash recipe trains on target-regenerated data):
 
-    python -m dflash_mp.regenerate target.path=Qwen/Qwen3-8B data.path=in.jsonl out=out.jsonl \
-        [temperature=0] [max_new_tokens=1024] [batch_size=32] [sort_window=16] [seed=0]
+    python -m dflash_mp.regenerate target.path=Qwen/Qwen3-8B data.path=in.jsonl regen.out=out.jsonl \
+        [regen.temperature=0] [regen.max_new_tokens=1024] [regen.batch_size=32] [regen.seed=0]
 
 `target.*` and `data.*` are the training job's own config fields (`data.max_rows`, `data.split`,
 `target.dtype`, ...). Each assistant turn is generated from the conversation so far (with the turns
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cli import entry, tool_main
 from .data.chat import render_chat, row_messages, row_tools
 
 log = logging.getLogger(__name__)
@@ -54,37 +55,6 @@ class RegenConfig:
     batch_size: int = 16  # conversations generated together
     sort_window: int = 16  # batches whose conversations are sorted by length together; 1 = input order
     seed: int = 0  # sampling seed (per batch: seed + batch index)
-
-
-def split_overrides(argv: list[str], own: type) -> tuple[dict[str, str], list[str]]:
-    """`key=value` args for the dataclass `own` (bare field names, or `eval.` prefixed ones for the
-    evaluator), and the rest for the job config."""
-    from dataclasses import fields
-
-    names = {f.name for f in fields(own)}
-    mine, job = {}, []
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        bare = key.split(".", 1)[1] if key.startswith("eval.") else key
-        if eq and bare in names:
-            mine[bare] = value
-        else:
-            job.append(arg)
-    return mine, job
-
-
-def build_own(own: type, values: dict[str, str]):
-    from dataclasses import fields
-
-    kinds = {f.name: f.type for f in fields(own)}
-    out = {}
-    for key, value in values.items():
-        kind = kinds[key]
-        try:
-            out[key] = (float(value) if "float" in str(kind) else int(value) if "int" in str(kind) else value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} is not a valid {kind}") from None
-    return own(**out)
 
 
 def conversation_key(messages: list[dict]) -> str:
@@ -259,20 +229,16 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     return stats
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .config import compose
-
+def regenerate_command(job, cfg: RegenConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    argv = sys.argv[1:] if argv is None else argv
-    own, rest = split_overrides(argv, RegenConfig)
-    cfg = build_own(RegenConfig, own)
-    stats = regenerate_file(compose(rest), cfg)
+    stats = regenerate_file(job, cfg)
     print(json.dumps(dict(stats), sort_keys=True))
 
 
+def main(argv: list[str] | None = None) -> None:
+    tool_main("regen", RegenConfig, regenerate_command, __doc__, argv)
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # a user error: its message names the setting and the fix
-        sys.exit(f"error: {e}")
+    entry(main)
