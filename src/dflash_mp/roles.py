@@ -98,7 +98,7 @@ def run_target(ctx: RunContext) -> None:
     seek(stream, topo.num_sends(topo.rank, start))
     live.phase("loading", "target weights")
     worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
-                               job.target.attn_implementation, job.target.compile)
+                               job.target.attn_implementation, job.target.compile, job.target.packing_check)
     compiled = job.target.compile and ctx.device.type == "cuda"
     cache_path = compile_cache.artifact_path(job.run_dir, "target", ctx.device)
     if compiled:
