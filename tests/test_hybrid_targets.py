@@ -165,3 +165,28 @@ def test_speculative_decoding_on_a_hybrid_target_equals_greedy(hybrid_target, mo
     # A random drafter (rejections almost everywhere) through the real draft path.
     random_spec = speculative_generate(hybrid_target, drafter, prompt, n)
     check_lossless(1, random_spec, greedy)
+
+
+def test_random_builtins_are_the_real_architectures(tmp_path):
+    """builtin:random-qwen3.5-27b is the Qwen3.5-27B decoder at real sizes (config only: weights are
+    drawn at load), validates with the qwen3_5_27b preset, and its tiny stand-in loads, passes the
+    packing check and shares its embedding with drafter ranks."""
+    from dflash_mp.config import compose
+    from dflash_mp.demo import resolve_target_path
+    from dflash_mp.main import validate
+
+    cache = str(tmp_path)
+    cfg = load_target_config(resolve_target_path("builtin:random-qwen3.5-27b", cache))
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["hidden_size"] == 5120 and cfg["vocab_size"] == 248320
+    assert cfg["layer_types"].count("linear_attention") == 48 and cfg["num_hidden_layers"] == 64
+    job = compose(["experiment=qwen3_5_27b", "target.path=builtin:random-qwen3.5-27b"])
+    assert validate(job, cfg, list(range(1000)))[0] == [1, 16, 31, 46, 61]
+    for name, model_type in [("builtin:random-qwen3.5-35b-a3b", "qwen3_5_moe_text"),
+                             ("builtin:random-qwen3-30b-a3b", "qwen3_moe")]:
+        assert load_target_config(resolve_target_path(name, cache))["model_type"] == model_type
+
+    path = resolve_target_path("builtin:random-tiny-qwen3.5", cache)
+    worker = TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")
+    assert type(worker.model).__name__ == "Qwen3_5ForCausalLM" and len(worker.recurrent) == 3
+    embed, _ = load_target_head(path, torch.float32, torch.device("cpu"))
+    assert torch.equal(embed, worker.model.get_input_embeddings().weight)

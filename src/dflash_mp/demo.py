@@ -36,8 +36,13 @@ BUILTIN_TARGET = "builtin:tiny-qwen3"
 # Same shapes, trained briefly on stdlib docstrings + the demo chats (see learned.py).
 BUILTIN_LEARNED_TARGET = "builtin:learned-qwen3"
 BUILTIN_LEARNED_MEDIUM = "builtin:learned-qwen3-medium"  # ~38M parameters, trained on a GPU
-# Random-weight targets -> the hub target whose shapes they copy (plan.TARGET_ARCHS); None = TINY_QWEN3.
-RANDOM_TARGETS = {"builtin:random-qwen3-8b": "Qwen/Qwen3-8B", "builtin:random-tiny-qwen3": None}
+# Random-weight targets -> the hub target whose shapes they copy (plan.TARGET_ARCHS, or the
+# architecture itself for target_archs.HF_ARCHS / TINY_ARCHS); None = TINY_QWEN3.
+RANDOM_TARGETS = {"builtin:random-qwen3-8b": "Qwen/Qwen3-8B", "builtin:random-tiny-qwen3": None,
+                  "builtin:random-qwen3.5-27b": "Qwen/Qwen3.5-27B",
+                  "builtin:random-qwen3.5-35b-a3b": "Qwen/Qwen3.5-35B-A3B",
+                  "builtin:random-qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+                  "builtin:random-tiny-qwen3.5": "tiny-qwen3.5"}
 BUILTIN_TARGETS = (BUILTIN_TARGET, BUILTIN_LEARNED_TARGET, BUILTIN_LEARNED_MEDIUM, *RANDOM_TARGETS)
 # Bump when the tokenizer, the target or the data change, so stale caches are not reused.
 DEMO_VERSION = 1
@@ -151,6 +156,25 @@ def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
     return write_atomic(out_dir, save)
 
 
+def build_random_arch_target(out_dir: str, tokenizer, fields: dict, seed: int = 0) -> str:
+    """`build_random_target` for an architecture of target_archs (hybrid, MoE): its own config class,
+    the demo tokenizer's special ids, and the demo vocabulary where `fields` name none (tiny ones)."""
+    from .target import RANDOM_INIT
+    from .target_archs import hf_config
+
+    vocab_size = fields.get("vocab_size") or math.ceil((len(tokenizer) + 8) / 64) * 64
+    config = hf_config(fields, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+
+    def save(tmp: str) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, RANDOM_INIT), "w") as f:
+            json.dump({"seed": seed}, f)
+
+    return write_atomic(out_dir, save)
+
+
 def default_cache_dir() -> str:
     return os.environ.get("DFLASH_MP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash_mp"))
 
@@ -177,8 +201,11 @@ def resolve_target_path(path: str, cache_dir: str | None = None) -> str:
     if path == BUILTIN_TARGET:
         return build_demo_target(out, tokenizer)
     from .plan import known_target_config
+    from .target_archs import HF_ARCHS, TINY_ARCHS
 
     hub_id = RANDOM_TARGETS[path]
+    if hub_id in HF_ARCHS or hub_id in TINY_ARCHS:
+        return build_random_arch_target(out, tokenizer, HF_ARCHS.get(hub_id) or TINY_ARCHS[hub_id])
     return build_random_target(out, tokenizer, **(known_target_config(hub_id) if hub_id else {}))
 
 
