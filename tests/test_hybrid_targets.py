@@ -190,3 +190,15 @@ def test_random_builtins_are_the_real_architectures(tmp_path):
     assert type(worker.model).__name__ == "Qwen3_5ForCausalLM" and len(worker.recurrent) == 3
     embed, _ = load_target_head(path, torch.float32, torch.device("cpu"))
     assert torch.equal(embed, worker.model.get_input_embeddings().weight)
+
+
+def test_evaluate_live_on_a_hybrid_target_is_lossless(hybrid_target):
+    """Item 4 through evaluate's live loop: every prompt's speculative output is greedy's, and the
+    report counts the forwards that rolled the recurrent state back."""
+    from dflash_mp.evaluate import EvalConfig, live
+
+    drafter = _drafter(hybrid_target, 4)
+    prompts = [[5, 17, 99, 3], [42, 8, 61, 7, 7, 1]]
+    report, failures = live(hybrid_target, drafter, prompts, [], EvalConfig(max_new_tokens=12), 4)
+    assert failures == [] and report["lossless"]
+    assert report["generated_tokens"] == 24 and report["rollback_forwards"] > 0
