@@ -34,3 +34,66 @@ def known_target_config(path: str) -> dict | None:
     """The table entry for a hub id (config.json fields only), or None."""
     arch = TARGET_ARCHS.get(path)
     return None if arch is None else {k: v for k, v in arch.items() if k != "tokenizer_len"}
+
+
+# ------------------------------------------------------------------ hybrid and MoE architectures
+# Decoder configs of targets beyond dense Qwen3/Llama: Qwen3.5 hybrids (Gated DeltaNet linear
+# attention, 3 of every 4 layers, plus gated full attention), the Qwen3.5 MoE hybrid and Qwen3-MoE.
+#
+# Real sizes are written out from the public config.json files (text decoder only), so a random-weight
+# target of the real architecture (`builtin:random-qwen3.5-27b` ...) builds without a download; TINY_*
+# are CPU-test stand-ins of the same architecture. `hf_config` turns either into a transformers config.
+
+def hybrid_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5's layout: every `interval`-th layer is full attention, the rest linear attention."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+_QWEN3_5_ROPE = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                     mrope_section=[11, 11, 10], mrope_interleaved=True)
+
+HF_ARCHS: dict[str, dict] = {
+    "Qwen/Qwen3.5-27B": dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+        num_hidden_layers=64, layer_types=hybrid_layer_types(64), num_attention_heads=24, num_key_value_heads=4,
+        head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=48, rms_norm_eps=1e-6, rope_parameters=_QWEN3_5_ROPE,
+        max_position_embeddings=262144, tie_word_embeddings=False),
+    "Qwen/Qwen3.5-35B-A3B": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        layer_types=hybrid_layer_types(40), num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, rms_norm_eps=1e-6, rope_parameters=_QWEN3_5_ROPE,
+        max_position_embeddings=262144, tie_word_embeddings=False, output_router_logits=False),
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_local_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6), max_position_embeddings=40960,
+        tie_word_embeddings=False, output_router_logits=False),
+}
+
+# Same architectures, CPU-test sizes (4 layers: linear, linear, linear, full for the hybrids).
+_TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=4096)
+_TINY_LINEAR = dict(num_hidden_layers=4, layer_types=hybrid_layer_types(4), linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, rope_parameters=dict(_QWEN3_5_ROPE, mrope_section=[2, 1, 1]))
+TINY_ARCHS: dict[str, dict] = {
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", intermediate_size=128, **_TINY, **_TINY_LINEAR),
+    "tiny-qwen3.5-moe": dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32, **_TINY, **_TINY_LINEAR),
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", intermediate_size=128, num_hidden_layers=4, num_local_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **_TINY),
+}
+
+
+def hf_config(fields: dict, **overrides):
+    """The transformers config of `fields` (a HF_ARCHS / TINY_ARCHS entry) with `overrides`."""
+    from transformers import AutoConfig
+
+    fields = {**fields, **overrides}
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)

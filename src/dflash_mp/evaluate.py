@@ -147,7 +147,8 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     num_batches = stream.batches_per_epoch(0)
     if cfg.num_batches:
         num_batches = min(num_batches, cfg.num_batches)
-    worker = TargetWorker.load(target_path, args.target_layer_ids, device, dtype, job.target.attn_implementation)
+    worker = TargetWorker.load(target_path, args.target_layer_ids, device, dtype, job.target.attn_implementation,
+                               packing_check=job.target.packing_check)
     embed, head = load_target_head(target_path, dtype, device)
     b, chunk = args.block_size, cfg.num_anchors
     weights = slot_weights(b, job.drafter.gamma or DEFAULT_GAMMA.get(b, 4.0), device=device)  # loss only
@@ -197,7 +198,7 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
     speculative_generate(target, drafter, prompts[0], 2, stop_ids, block_size)
     hist: Counter = Counter()
     failures, per_prompt = [], []
-    tokens = spec_fwd = greedy_fwd = 0
+    tokens = spec_fwd = greedy_fwd = rollback_fwd = 0
     spec_s = greedy_s = 0.0
     for i, prompt in enumerate(prompts):
         g = greedy_generate(target, prompt, cfg.max_new_tokens, stop_ids)
@@ -211,6 +212,7 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
                            "target_forwards": s.num_target_forwards})
         tokens += len(s.tokens)
         spec_fwd += s.num_target_forwards
+        rollback_fwd += s.num_rollback_forwards
         greedy_fwd += g.num_target_forwards
         spec_s += s.seconds
         greedy_s += g.seconds
@@ -223,6 +225,8 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
         "acceptance_histogram": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
         "generated_tokens": tokens,
         "target_forwards": spec_fwd,
+        # hybrid targets: extra forwards that re-advance recurrent state past a rejected proposal
+        "rollback_forwards": rollback_fwd,
         "greedy_forwards": greedy_fwd,
         "target_forwards_per_token": spec_fwd / max(tokens, 1),
         "speculative_s": spec_s,

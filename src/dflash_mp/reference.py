@@ -33,7 +33,8 @@ def reference_run(job: JobConfig, world_size: int) -> dict:
     tc = job.train
     total = sum(s.batches_per_epoch(0) for s in streams.values())
     num_steps = tc.max_steps if tc.max_steps > 0 else int(tc.epochs * total // len(topo.drafter_ranks))
-    worker = TargetWorker.load(path, layer_ids, device, dtype, job.target.attn_implementation)
+    worker = TargetWorker.load(path, layer_ids, device, dtype, job.target.attn_implementation,
+                               packing_check=job.target.packing_check)
 
     args = build_drafter_args(job.drafter, tcfg, layer_ids, mask_id)
     torch.manual_seed(tc.seed)

@@ -114,7 +114,8 @@ class TargetRun:
         seek(self.stream, topo.num_sends(topo.rank, self.start))
         live.phase("loading", "target weights")
         self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
-                                        job.target.attn_implementation, job.target.compile)
+                                        job.target.attn_implementation, job.target.compile,
+                                        job.target.packing_check)
         self.compiled = job.target.compile and ctx.device.type == "cuda"
         self.cache_path = compile_cache.artifact_path(job.run_dir, "target", ctx.device)
         if self.compiled:

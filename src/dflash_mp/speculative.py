@@ -8,6 +8,11 @@ prefix of proposals equal to the target's own argmax is accepted, plus the targe
 (the bonus), so every target forward yields 1..B tokens. Rejected positions are cropped from the
 cache, and the hidden states of the accepted positions join the drafter's context.
 
+Hybrid targets (Qwen3.5's linear-attention layers) keep a recurrent state that has folded in the
+whole block and cannot be cropped: their states are saved before each verify forward and, when a
+proposal is rejected, put back and advanced over the accepted tokens alone by one more forward
+(`SpecResult.num_rollback_forwards`), so the cache holds exactly what greedy decoding would.
+
 The drafter is recomputed over the whole context every step (no drafter KV cache): sizes here are
 small, and this keeps the drafter call identical to training (`DFlashDrafter.forward` with one
 anchor and the training mask), so what training measured is what decoding sees.
@@ -36,6 +41,7 @@ class SpecResult:
     acceptance_lengths: list[int]  # tokens gained per verify forward (accepted proposals + 1), after clipping
     num_target_forwards: int  # prefill + verify forwards
     seconds: float = 0.0  # wall-clock of the decode
+    num_rollback_forwards: int = 0  # hybrid targets: forwards re-advancing recurrent state past a rejection
 
     @property
     def tau(self) -> float:
@@ -86,6 +92,41 @@ def _crop(cache, length: int) -> None:
         cache.crop(length - current)  # negative: remove that many tokens from the end
     else:
         cache.crop(length)
+
+
+def _recurrent_layers(cache) -> list:
+    """The cache layers holding linear-attention (recurrent) state, which `crop` cannot roll back."""
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # transformers without hybrid caches
+        return []
+    return [layer for layer in getattr(cache, "layers", []) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _save_states(layers: list) -> list[tuple[dict, dict, dict]]:
+    return [({i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+             dict(layer.has_previous_state)) for layer in layers]
+
+
+def _restore_states(layers: list, saved: list[tuple[dict, dict, dict]]) -> None:
+    for layer, (conv, rec, previous) in zip(layers, saved):
+        for i, t in conv.items():
+            layer.conv_states[i].copy_(t)  # in place: the cache's tensors keep their addresses
+        for i, t in rec.items():
+            layer.recurrent_states[i].copy_(t)
+        layer.has_previous_state.update(previous)
+
+
+def _crop_attention(cache, length: int) -> None:
+    """`_crop` for a hybrid cache: only the attention layers' KV rows (recurrent layers are restored)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.is_initialized:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                DynamicLayer.crop(layer, -extra)
 
 
 def _new_cache(target):
@@ -169,13 +210,15 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int] | torch
     first, done = _finish(tokens, [int(out.logits[0, -1].argmax())], max_new_tokens, stop_ids)
     tokens += first
     lengths: list[int] = []
-    forwards = 1
+    forwards, rollbacks = 1, 0
+    recurrent = _recurrent_layers(cache)
     while not done:
         start = context.shape[0]
         last = tokens[-1]
         proposal = draft_block(drafter, context, last, b)
         block = torch.cat([torch.tensor([last], device=device), proposal])[None]
         positions = torch.arange(start, start + b, device=device)[None]
+        saved = _save_states(recurrent) if recurrent else None
         out = target(input_ids=block, position_ids=positions, past_key_values=cache, use_cache=True,
                      output_hidden_states=True)
         forwards += 1
@@ -189,8 +232,15 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int] | torch
         # The block's tokens at start .. start+accepted are now part of the sequence: keep their
         # hidden states and cache rows, drop the rejected rest.
         context = torch.cat([context, capture(out.hidden_states, layer_ids)[: accepted + 1]])
-        _crop(cache, start + accepted + 1)
-    return SpecResult(tokens, lengths, forwards, time.perf_counter() - t0)
+        if not recurrent:
+            _crop(cache, start + accepted + 1)
+        elif accepted + 1 < b and not done:
+            _restore_states(recurrent, saved)
+            _crop_attention(cache, start)
+            target(input_ids=block[:, : accepted + 1], position_ids=positions[:, : accepted + 1],
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+            rollbacks += 1
+    return SpecResult(tokens, lengths, forwards, time.perf_counter() - t0, rollbacks)
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ class TargetConfig:
     attn_implementation: str = "auto"  # auto (flex_attention on CUDA, sdpa on CPU) | sdpa | flex_attention
     compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
     cache_dir: str = ""  # where builtin targets are built once; "" = $DFLASH_MP_CACHE or ~/.cache/dflash_mp
+    packing_check: bool = True  # at load, refuse a target whose packed rows leak across documents
 
 
 def rope_from_config(config: dict) -> tuple[float, dict | None]:
@@ -151,11 +152,21 @@ def check_model_path(path: str, setting: str) -> str:
     return path
 
 
+def text_config_dict(config: dict) -> dict:
+    """The decoder's fields at the top level: a multimodal config.json (Qwen3.5) nests them under
+    `text_config`, beside a vision tower the target never runs."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    outer = {k: v for k, v in config.items() if not k.endswith("_config")}
+    return {**outer, **text}
+
+
 def load_target_config(path: str) -> dict:
-    """The target's config.json as a dict (no weights touched)."""
+    """The target decoder's config.json fields as a flat dict (no weights touched)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path).to_dict()
+    return text_config_dict(AutoConfig.from_pretrained(path).to_dict())
 
 
 def _local_dir(path: str, patterns: list[str]) -> str:
@@ -206,7 +217,8 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
             weight_map = json.load(f)["weight_map"]
     else:
         weight_map = None
-    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    # Multimodal checkpoints (Qwen3.5) keep the decoder under model.language_model.
+    names = ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "lm_head.weight"]
     out = {}
     for name in names:
         if weight_map is not None and name not in weight_map:
@@ -215,10 +227,11 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
         with safe_open(os.path.join(local, file), framework="pt", device="cpu") as f:
             if name in f.keys():
                 out[name] = f.get_tensor(name)
-    if "model.embed_tokens.weight" not in out:
-        raise ValueError(f"target.path={path}: no model.embed_tokens.weight in its safetensors files; point "
-                         "target.path at a full Hugging Face checkpoint of a decoder LM.")
-    embed = out["model.embed_tokens.weight"]
+    embed = out.get("model.embed_tokens.weight", out.get("model.language_model.embed_tokens.weight"))
+    if embed is None:
+        raise ValueError(f"target.path={path}: no model.embed_tokens.weight (nor model.language_model."
+                         "embed_tokens.weight) in its safetensors files; point target.path at a full Hugging "
+                         "Face checkpoint of a decoder LM.")
     head = out.get("lm_head.weight", embed)  # tied embeddings
     return embed.to(device, dtype), head.to(device, dtype)
 
@@ -314,22 +327,47 @@ class TargetWorker:
         self.decoder = model.get_decoder()
         self.flex = model.config._attn_implementation in ("flex_attention", FLEX_OUTSIDE_GRAPH)
         self.window = sliding_window_of(model.config)
+        self.layer_types = sorted(set(getattr(model.config, "layer_types", None) or []))
         if compile and self.flex and not flex_in_graph:
             model.config._attn_implementation = _register_flex_outside_graph()
+        # Serving reads the last layer as `hidden_states[L]`, which HF takes after the final norm.
+        last = len(self.decoder.layers) - 1
+        norm = getattr(self.decoder, "norm", None)
+        self.final_norm = norm if last in self.layer_ids and not isinstance(norm, (nn.Identity, type(None))) else None
         self._captured: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:
-            self.decoder.layers[i].register_forward_hook(self._hook(i))
+            self.decoder.layers[i].register_forward_hook(self._hook(i, self.final_norm if i == last else None))
+        # Linear-attention (recurrent) mixers ignore attention masks: they see document boundaries
+        # only by being run on one document at a time (`_bounds`, set per batch).
+        self._bounds: list[int] | None = None
+        self.recurrent = [m for layer in self.decoder.layers if (m := getattr(layer, "linear_attn", None)) is not None]
+        for m in self.recurrent:
+            m.forward = self._per_document(m.forward)
         self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
-    def _hook(self, i: int):
+    def _per_document(self, forward):
+        # Outside any compiled graph: the split points are data, known only per batch.
+        @torch.compiler.disable
+        def run(hidden_states, *args, **kwargs):
+            b = self._bounds
+            if b is None or len(b) <= 2:
+                return forward(hidden_states, *args, **kwargs)
+            return torch.cat([forward(hidden_states[:, s:e], *args, **kwargs) for s, e in zip(b[:-1], b[1:])],
+                             dim=1)
+
+        return run
+
+    def _hook(self, i: int, norm: nn.Module | None):
         def hook(_module, _inputs, output):
-            self._captured[i] = output[0] if isinstance(output, tuple) else output
+            out = output[0] if isinstance(output, tuple) else output
+            self._captured[i] = out if norm is None else norm(out)
 
         return hook
 
     @classmethod
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
-             attn_implementation: str = "auto", compile: bool = False) -> "TargetWorker":
+             attn_implementation: str = "auto", compile: bool = False,
+             packing_check: bool = True) -> "TargetWorker":
         from transformers import AutoModelForCausalLM
 
         attn = resolve_attn(attn_implementation, device)
@@ -338,9 +376,17 @@ class TargetWorker:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
         else:
             model = random_target(path, seed, device, dtype, attn)
+        if getattr(model.config, "output_router_logits", False):
+            model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
         truncate(model, max(layer_ids))
         model.to(device).eval().requires_grad_(False)
-        return cls(model, layer_ids, device, compile=compile and device.type == "cuda")
+        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda")
+        if packing_check:
+            worker.check_packing()
+        else:
+            log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
+                        type(model).__name__)
+        return worker
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask) -> torch.Tensor:
         self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False)
@@ -349,21 +395,34 @@ class TargetWorker:
         return hidden
 
     def masks(self, docs: torch.Tensor):
-        """The packed-document mask; for targets with sliding-window layers, one per layer type (a
-        mask passed as is would give sliding layers the whole document)."""
+        """The packed-document mask; for targets with several layer types, one per type (a mask passed
+        as is would give sliding layers the whole document; linear-attention layers take none, they
+        are split per document instead)."""
         build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
         full = build(docs)
-        if self.window is None:
+        if self.window is None and self.layer_types in ([], ["full_attention"]):
             return full
-        return {"full_attention": full, "sliding_attention": build(docs, self.window)}
+        masks = {t: None for t in self.layer_types}
+        masks["full_attention"] = full
+        if self.window is not None:
+            masks["sliding_attention"] = build(docs, self.window)
+        return masks
+
+    def _capture(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, run=None) -> torch.Tensor:
+        if self.recurrent:
+            cuts = (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist()
+            self._bounds = [0, *cuts, docs.shape[0]]
+        try:
+            return (run or self._run)(ids, pos, self.masks(docs))
+        finally:
+            self._bounds = None
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> HiddenBatch:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         pos = batch.position_ids.to(self.device, non_blocking=True)
         docs = batch.doc_ids.to(self.device, non_blocking=True)
-        mask = self.masks(docs)
-        hidden = self._run(ids, pos, mask)
+        hidden = self._capture(ids, pos, docs)
         return HiddenBatch(
             hidden=hidden,
             input_ids=ids,
@@ -373,6 +432,44 @@ class TargetWorker:
             num_valid_tokens=batch.num_valid_tokens,
         )
 
+    @torch.inference_mode()
+    def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
+        """Run a probe of documents packed into one row and each document alone; raise a ValueError
+        naming the target class and the first captured layer whose packed features differ beyond
+        rounding (a layer that sees across document boundaries would train the drafter on features
+        serving never produces). Returns {layer: relative difference}. Eager, so a compiled target
+        compiles no probe shapes."""
+        vocab, width = self.model.get_input_embeddings().weight.shape
+        g = torch.Generator().manual_seed(seed)
+        docs_ids = [torch.randint(vocab, (n,), generator=g).to(self.device) for n in lengths]
+        positions = [torch.arange(n, device=self.device) for n in lengths]
+        doc_ids = torch.cat([torch.full((n,), d, device=self.device) for d, n in enumerate(lengths)])
+        packed = self._capture(torch.cat(docs_ids), torch.cat(positions), doc_ids, run=self._forward)
+        alone = torch.cat([self._capture(ids, pos, torch.zeros_like(pos), run=self._forward)
+                           for ids, pos in zip(docs_ids, positions)])
+        dtype = self.model.get_input_embeddings().weight.dtype
+        tol = 1e-3 if dtype == torch.float32 else 3e-2
+        diffs = {}
+        for k, layer in enumerate(self.layer_ids):
+            cols = slice(k * width, (k + 1) * width)
+            # Per token: a leak is largest at a document's first tokens (nothing of their own to
+            # attend to yet) and must not be averaged away over the rest of the row.
+            p, a = packed[:, cols].float(), alone[:, cols].float()
+            diffs[layer] = float(((p - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)).max())
+        bad = [layer for layer, d in diffs.items() if not d <= tol]
+        if bad:
+            layer = bad[0]
+            raise ValueError(
+                f"target {type(self.model).__name__}: captured layer {layer} differs by {diffs[layer]:.2e} "
+                f"(relative, tolerance {tol:g}) between a packed row of {len(lengths)} documents and each "
+                "document run alone, so some layer sees across document boundaries and the drafter would "
+                "train on leaked features. Use a target whose layers honour the packed-document mask (or "
+                "run it with another target.attn_implementation); target.packing_check=false skips this "
+                "check at the cost of those leaked features.")
+        log.info("target %s packs exactly: max relative difference %.1e over layers %s",
+                 type(self.model).__name__, max(diffs.values()), self.layer_ids)
+        return diffs
+
 
 def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str) -> nn.Module:
     """The model of a random-weight target, initialised on `device` (8B: seconds on a GPU, where a CPU
@@ -380,7 +477,7 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
     `load_target_head` gives drafter ranks; its LM head is dropped by `truncate`, so it is left as drawn."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path).get_text_config()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -391,10 +488,12 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
 
 
 def truncate(model: nn.Module, last_layer: int) -> None:
-    """Drop decoder layers after `last_layer`, the final norm and the LM head."""
+    """Drop decoder layers after `last_layer`, the final norm (kept when `last_layer` is the last
+    layer: TargetWorker applies it to that layer, as serving does) and the LM head."""
     decoder = model.get_decoder()
+    if last_layer < len(decoder.layers) - 1:
+        decoder.norm = nn.Identity()
     decoder.layers = decoder.layers[: last_layer + 1]
-    decoder.norm = nn.Identity()
     model.lm_head = nn.Identity()
     model.config.num_hidden_layers = last_layer + 1
     if getattr(model.config, "layer_types", None):

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..archs import known_target_config
+from ..archs import HF_ARCHS, TINY_ARCHS, known_target_config
 from .chats import demo_data_path, demo_texts
 from .learned import learned_target_dir
 from .names import (BUILTIN_DATA, BUILTIN_TARGET, BUILTIN_TARGETS, DEMO_VERSION, LEARNED_TARGETS, RANDOM_TARGETS,
                     cache_root)
-from .targets import TINY_QWEN3, build_demo_target, build_demo_tokenizer, build_random_target, demo_qwen3_config
+from .targets import (TINY_QWEN3, build_demo_target, build_demo_tokenizer, build_random_arch_target, build_random_target,
+                      demo_qwen3_config)
 
 __all__ = [
     "BUILTIN_DATA", "BUILTIN_TARGET", "BUILTIN_TARGETS", "LEARNED_TARGETS", "RANDOM_TARGETS", "TINY_QWEN3",
@@ -53,6 +54,8 @@ def resolve_target_path(path: str, cache_dir: str = "") -> str:
     if path == BUILTIN_TARGET:
         return build_demo_target(out, tokenizer)
     hub_id = RANDOM_TARGETS[path]
+    if hub_id in HF_ARCHS or hub_id in TINY_ARCHS:
+        return build_random_arch_target(out, tokenizer, HF_ARCHS.get(hub_id) or TINY_ARCHS[hub_id])
     return build_random_target(out, tokenizer, **(known_target_config(hub_id) if hub_id else {}))
 
 

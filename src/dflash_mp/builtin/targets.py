@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..archs import hf_config
 from ..fsutil import write_atomic
 from ..target import RANDOM_INIT
 
@@ -107,6 +108,22 @@ def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
     drawn at load time instead (target.TargetWorker.load, target.load_target_head).
     """
     config = demo_qwen3_config(tokenizer, **sizes)
+
+    def save(tmp: str) -> None:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, RANDOM_INIT), "w") as f:
+            json.dump({"seed": seed}, f)
+
+    return write_atomic(out_dir, save)
+
+
+def build_random_arch_target(out_dir: str, tokenizer, fields: dict, seed: int = 0) -> str:
+    """`build_random_target` for an architecture of archs.HF_ARCHS / TINY_ARCHS (hybrid, MoE): its own
+    config class, the demo tokenizer's special ids, and the demo vocabulary where `fields` name none."""
+    vocab_size = fields.get("vocab_size") or math.ceil((len(tokenizer) + 8) / 64) * 64
+    config = hf_config(fields, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
 
     def save(tmp: str) -> None:
         config.save_pretrained(tmp)

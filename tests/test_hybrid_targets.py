@@ -1,0 +1,204 @@
+"""Targets beyond dense attention: Qwen3.5 hybrids (Gated DeltaNet linear attention), MoE targets, the
+packing self-check every target passes at load, and lossless decoding with recurrent state."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from dflash_mp import speculative
+from dflash_mp.batch import PackedBatch
+from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.speculative import Drafter, check_lossless, greedy_generate, speculative_generate
+from dflash_mp.target import TargetWorker, load_target_config, load_target_head
+from dflash_mp.archs import HF_ARCHS, TINY_ARCHS, hf_config
+
+V = 128
+ARCHS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-moe"]
+
+
+def save_target(path, arch: str, seed: int = 0) -> str:
+    """A checkpoint laid out as the hub's: Qwen3.5 models as the multimodal model (decoder config
+    under `text_config`, weights under model.language_model.*, a tiny vision tower), others plain."""
+    text = hf_config(TINY_ARCHS[arch], vocab_size=V)
+    torch.manual_seed(seed)
+    if arch.startswith("tiny-qwen3.5"):
+        outer = "qwen3_5_moe" if "moe" in arch else "qwen3_5"
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=text.hidden_size)
+        config = AutoConfig.for_model(outer, text_config=text.to_dict(), vision_config=vision)
+        model = AutoModelForImageTextToText.from_config(config)
+        assert any(k.startswith("model.language_model.layers.") for k in model.state_dict())
+    else:
+        model = AutoModelForCausalLM.from_config(text)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def packed(doc_lens, seq_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    pos = torch.zeros(seq_len, dtype=torch.long)
+    docs = torch.full((seq_len,), -1, dtype=torch.long)
+    o = 0
+    for i, n in enumerate(doc_lens):
+        ids[o:o + n] = torch.randint(0, V, (n,), generator=g)
+        pos[o:o + n] = torch.arange(n)
+        docs[o:o + n] = i
+        o += n
+    return PackedBatch(ids, pos, docs, (docs >= 0).long(), len(doc_lens), o)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_rows_capture_what_serving_reads_per_document(tmp_path, arch):
+    """Items 1, 2, 5: the nested config loads flat, the embedding comes from model.language_model,
+    and packed rows (documents longer than a 64-token Gated DeltaNet chunk, padding after them) give
+    every document exactly the `hidden_states[i + 1]` a plain HF forward of that document alone
+    gives, the last layer (after the final norm, as serving reads it) included."""
+    path = save_target(tmp_path, arch)
+    cfg = load_target_config(path)
+    assert cfg["num_hidden_layers"] == 4 and cfg["vocab_size"] == V and cfg["hidden_size"] == 64
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    embed, head = load_target_head(path, torch.float32, torch.device("cpu"))
+    assert torch.equal(embed, reference.get_input_embeddings().weight)
+    assert torch.equal(head, reference.get_output_embeddings().weight)
+
+    layer_ids = [0, 2, 3]
+    worker = TargetWorker.load(path, layer_ids, torch.device("cpu"), torch.float32, "sdpa")
+    assert type(worker.model).__name__ == type(reference).__name__
+    assert bool(worker.recurrent) == arch.startswith("tiny-qwen3.5")
+    lens = [70, 9, 33]
+    hb = worker.forward(packed(lens, 128))
+    o = 0
+    with torch.no_grad():
+        for n in lens:
+            ids = hb.input_ids[o:o + n][None]
+            out = reference(input_ids=ids, output_hidden_states=True)
+            want = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+            torch.testing.assert_close(hb.hidden[o:o + n], want, atol=2e-5, rtol=1e-4)
+            o += n
+
+
+def test_real_sizes_build_as_their_architectures():
+    """The real-size configs are the architectures they name (no weights drawn: meta device)."""
+    for hub_id, fields in HF_ARCHS.items():
+        config = hf_config(fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        n = sum(p.numel() for p in model.parameters()) / 1e9
+        expected = {"Qwen/Qwen3.5-27B": 27, "Qwen/Qwen3.5-35B-A3B": 35, "Qwen/Qwen3-30B-A3B": 30}[hub_id]
+        assert abs(n - expected) / expected < 0.08, (hub_id, n)
+    assert HF_ARCHS["Qwen/Qwen3.5-27B"]["layer_types"].count("linear_attention") == 48
+
+
+def _leaky_attention(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def test_packing_check_refuses_a_target_whose_attention_ignores_the_mask(tmp_path, caplog):
+    """Item 3: attention that ignores the packed-document mask (plain causal over the whole row) is
+    refused by name; target.packing_check=false loads it anyway, with a warning."""
+    path = save_target(tmp_path, "tiny-qwen3-moe")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    AttentionInterface.register("dflash_mp_test_leaky", _leaky_attention)
+    model.config._attn_implementation = "dflash_mp_test_leaky"
+    worker = TargetWorker(model, [0, 1], torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"target Qwen3MoeForCausalLM: captured layer 0 .*packing_check=false"):
+        worker.check_packing()
+    model.config._attn_implementation = "sdpa"
+    assert max(worker.check_packing().values()) < 1e-5
+
+
+def test_packing_check_refuses_linear_attention_fed_across_documents(tmp_path, caplog, monkeypatch):
+    """Without per-document splitting, Qwen3.5's linear-attention layers carry state from one packed
+    document into the next: the load-time check refuses it; packing_check=false skips it, logged."""
+    path = save_target(tmp_path, "tiny-qwen3.5")
+    monkeypatch.setattr(TargetWorker, "_per_document", lambda self, forward: forward)
+    with pytest.raises(ValueError, match=r"target Qwen3_5ForCausalLM: captured layer 0 "):
+        TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")
+    with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
+        TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa", packing_check=False)
+    assert "target.packing_check=false: Qwen3_5ForCausalLM is not checked" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(tmp_path_factory):
+    path = save_target(tmp_path_factory.mktemp("qwen35"), "tiny-qwen3.5", seed=3)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _drafter(target, block_size):
+    args = DrafterArgs(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                       vocab_size=V, target_layer_ids=[0, 2], mask_token_id=V - 1, block_size=block_size,
+                       rope_theta=10000.0)
+    torch.manual_seed(1)
+    return Drafter.for_target(DFlashDrafter(args), args, target)
+
+
+def test_speculative_decoding_on_a_hybrid_target_equals_greedy(hybrid_target, monkeypatch):
+    """Item 4: proposals that are greedy's own continuation with one wrong token at a varying place
+    reject at every block offset (and sometimes none): the recurrent state must be rolled back
+    exactly each time for the output to stay greedy's, token for token."""
+    b, n = 4, 24
+    drafter = _drafter(hybrid_target, b)
+    prompt = [5, 17, 99, 3, 42, 8, 61]
+    greedy = greedy_generate(hybrid_target, prompt, n)
+    want = greedy.tokens
+    step = {"i": 0}
+
+    def oracle(_drafter, context, _anchor, block_size):
+        done = context.shape[0] - len(prompt) + 1  # tokens already generated
+        proposal = torch.tensor((want + [0] * block_size)[done:done + block_size - 1])
+        wrong = step["i"] % block_size  # block_size - 1: no wrong token, the whole block is accepted
+        if wrong < block_size - 1:
+            proposal[wrong] = (proposal[wrong] + 1) % V
+        step["i"] += 1
+        return proposal
+
+    monkeypatch.setattr(speculative, "draft_block", oracle)
+    spec = speculative_generate(hybrid_target, drafter, prompt, n)
+    check_lossless(0, spec, greedy)
+    assert set(spec.acceptance_lengths[:-1]) == {1, 2, 3, 4}
+    assert spec.num_rollback_forwards == sum(1 for k in spec.acceptance_lengths[:-1] if k < b)
+    monkeypatch.undo()
+    # A random drafter (rejections almost everywhere) through the real draft path.
+    random_spec = speculative_generate(hybrid_target, drafter, prompt, n)
+    check_lossless(1, random_spec, greedy)
+
+
+def test_random_builtins_are_the_real_architectures(tmp_path):
+    """builtin:random-qwen3.5-27b is the Qwen3.5-27B decoder at real sizes (config only: weights are
+    drawn at load), validates with the qwen3_5_27b preset, and its tiny stand-in loads, passes the
+    packing check and shares its embedding with drafter ranks."""
+    from dflash_mp.config import compose
+    from dflash_mp.builtin import resolve_target_path
+    from dflash_mp.runtime import validate
+
+    cache = str(tmp_path)
+    cfg = load_target_config(resolve_target_path("builtin:random-qwen3.5-27b", cache))
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["hidden_size"] == 5120 and cfg["vocab_size"] == 248320
+    assert cfg["layer_types"].count("linear_attention") == 48 and cfg["num_hidden_layers"] == 64
+    job = compose(["experiment=qwen3_5_27b", "target.path=builtin:random-qwen3.5-27b"])
+    assert validate(job, cfg, list(range(1000)))[0] == [1, 16, 31, 46, 61]
+    for name, model_type in [("builtin:random-qwen3.5-35b-a3b", "qwen3_5_moe_text"),
+                             ("builtin:random-qwen3-30b-a3b", "qwen3_moe")]:
+        assert load_target_config(resolve_target_path(name, cache))["model_type"] == model_type
+
+    path = resolve_target_path("builtin:random-tiny-qwen3.5", cache)
+    worker = TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")
+    assert type(worker.model).__name__ == "Qwen3_5ForCausalLM" and len(worker.recurrent) == 3
+    embed, _ = load_target_head(path, torch.float32, torch.device("cpu"))
+    assert torch.equal(embed, worker.model.get_input_embeddings().weight)
+
+
+def test_evaluate_live_on_a_hybrid_target_is_lossless(hybrid_target):
+    """Item 4 through evaluate's live loop: every prompt's speculative output is greedy's, and the
+    report counts the forwards that rolled the recurrent state back."""
+    from dflash_mp.evaluate import EvalConfig, live
+
+    drafter = _drafter(hybrid_target, 4)
+    prompts = [[5, 17, 99, 3], [42, 8, 61, 7, 7, 1]]
+    report, failures = live(hybrid_target, drafter, prompts, [], EvalConfig(max_new_tokens=12), 4)
+    assert failures == [] and report["lossless"]
+    assert report["generated_tokens"] == 24 and report["rollback_forwards"] > 0
