@@ -117,3 +117,25 @@ def test_one_rank_of_a_node_compiles_and_the_other_loads_its_graphs(tmp_path):
 def test_a_leader_that_saved_nothing_releases_its_followers_to_compile(tmp_path):
     lead, follow = shared_compile(tmp_path, leader_compiles=False)
     assert not follow["loaded"] and follow.get("fxgraph_cache_miss", 0) >= 1
+
+
+@pytest.mark.slow
+def test_a_torchrun_job_compiles_the_drafter_once_per_node(tmp_path):
+    """Two drafter ranks on one node, compiled on CPU: rank 1 compiles, rank 2 waits for its
+    artifacts and loads them, and Python's log lines stay on the console during the compile."""
+    from e2e_utils import SMALL, torchrun
+
+    run_dir = tmp_path / "run"
+    overrides = [o for o in SMALL if not o.startswith("train.compile")]
+    proc = torchrun(3, overrides + ["train.compile=default", "train.max_steps=4", "topology.num_target_ranks=1",
+                                    f"run_dir={run_dir}"], timeout=600)
+    out = proc.stdout + proc.stderr
+    lines = out.splitlines()
+    saved = next(i for i, line in enumerate(lines) if "D1 INFO dflash_mp.compile_cache] compile cache: saved" in line)
+    loaded = next(i for i, line in enumerate(lines) if "D2 INFO dflash_mp.compile_cache] compile cache: loaded" in line)
+    assert saved < loaded
+    assert "D2 INFO dflash_mp.compile_cache] compile cache: waited" in out
+    assert "D1 INFO dflash_mp.compile_cache] compile cache: waited" not in out  # the leader compiles
+    assert "0 recompiles after warm-up" in out
+    native = run_dir / "logs" / "compile_rank_1.log"
+    assert not native.exists() or "dflash_mp" not in native.read_text()

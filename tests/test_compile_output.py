@@ -8,7 +8,9 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import logging, os, sys
     from dflash_mp import compile_output
+    from dflash_mp.metrics import quiet_console
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    quiet_console(True)  # the drafter leader's console: log lines through a wrapper above the bars
     path, fail = sys.argv[1], sys.argv[2] == "fail"
     try:
         with compile_output.to_file(path):

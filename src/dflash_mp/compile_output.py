@@ -27,6 +27,23 @@ def output_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "logs", f"compile_rank_{rank}.log")
 
 
+def _console_holders() -> list[tuple[object, object]]:
+    """(object, console stream) for every log handler that ends on stdout/stderr, through the
+    wrappers that keep lines off progress bars (metrics.quiet_console): the object is the handler or
+    the innermost wrapper, whose `stream` is the process's stdout/stderr."""
+    consoles = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    found = []
+    for h in logging.getLogger().handlers:
+        if not isinstance(h, logging.StreamHandler) or isinstance(h, logging.FileHandler):
+            continue
+        holder, stream = h, h.stream
+        while stream not in consoles and getattr(stream, "stream", stream) is not stream:
+            holder, stream = stream, stream.stream
+        if stream in consoles:
+            found.append((holder, stream))
+    return found
+
+
 def _tail(path: str, start: int, n: int) -> tuple[int, list[str]]:
     """(lines written after byte `start`, the last `n` of them)."""
     lines, last = 0, deque(maxlen=n)
@@ -50,17 +67,15 @@ def to_file(path: str, what: str = "compile") -> Iterator[str]:
     console = {fd: os.fdopen(os.dup(saved[fd]), "w", buffering=1, errors="replace") for fd in (1, 2)}
     old_sys = sys.stdout, sys.stderr
     # Handlers that write to the process's stdout/stderr follow the console; file handlers stay.
-    moved = [(h, h.stream) for h in logging.getLogger().handlers
-             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-             and h.stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)]
+    moved = _console_holders()
     start = os.path.getsize(path) if os.path.exists(path) else 0
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         for fd in (1, 2):
             os.dup2(target, fd)
         sys.stdout, sys.stderr = console[1], console[2]
-        for h, stream in moved:
-            h.setStream(console[2] if stream in (sys.__stderr__, old_sys[1]) else console[1])
+        for holder, stream in moved:
+            holder.stream = console[2] if stream in (sys.__stderr__, old_sys[1]) else console[1]
         failed = False
         try:
             yield path
@@ -74,8 +89,8 @@ def to_file(path: str, what: str = "compile") -> Iterator[str]:
             for fd in (1, 2):
                 os.dup2(saved[fd], fd)
             sys.stdout, sys.stderr = old_sys
-            for h, stream in moved:
-                h.setStream(stream)
+            for holder, stream in moved:
+                holder.stream = stream
             _report(path, start, what, failed)
     finally:
         os.close(target)

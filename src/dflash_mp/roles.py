@@ -12,6 +12,7 @@ therefore a pure function of the drafter step, so only drafters need checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import compile_cache
+from . import compile_cache, compile_output
 from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
@@ -160,7 +161,9 @@ class TargetRun:
 
     def send(self, dst: int, pb, step: int) -> None:
         if self.forwards == 0:  # the first forward compiles: busy, not silent
-            with self.live.during("compiling", "target forward"):
+            out = (compile_output.to_file(compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank),
+                                          "target compile") if self.compiled else contextlib.nullcontext())
+            with self.live.during("compiling", "target forward"), out:
                 hb = self.worker.forward(pb)
                 if self.compiled and self.ctx.topo.is_role_leader:
                     compile_cache.save(self.cache_path)
@@ -266,9 +269,10 @@ class DrafterRun:
                 self.writer.add_text("resolved", resolved_choices(ctx, trainer=self.trainer, args=self.args), 0)
             self.compiled = self.trainer.mode != "eager"
             self.cache_path = compile_cache.artifact_path(job.run_dir, "drafter", ctx.device)
-            if self.compiled:  # graphs another rank, node or attempt compiled: looked up instead of compiled
+            self.shared = self.node_compile() if self.compiled else None
+            if self.shared is not None and self.shared.leader:  # an earlier attempt's graphs: looked up
                 with live.during("loading", "compile cache"):
-                    compile_cache.load(self.cache_path)
+                    self.shared.before_compile()
             self.metrics = DrafterMetrics(self.writer, bar, topo.drafter_group, topo.role_size, self.args,
                                           job.data.seq_len, job.drafter.num_anchors, job.logging.peak_tflops,
                                           ctx.device, self.start)
@@ -302,10 +306,17 @@ class DrafterRun:
         self.metrics.update(hb, time.perf_counter() - tw)
         logs = done % self.ctx.job.logging.log_every == 0 or done == self.num_steps
         if done - self.start <= WARMUP_STEPS:  # compiles, autotunes, records graphs: busy, not silent
-            with self.live.during("compiling", "drafter step"):
-                if done == self.start + 1:
+            first = done == self.start + 1
+            if first and self.shared is not None and not self.shared.leader:
+                with self.live.during("compiling", f"loading the graphs rank {self.shared_leader} compiles"):
+                    self.shared.before_compile()
+            with self.live.during("compiling", "drafter step"), self.compile_output():
+                if first:
                     slow_compile_for_tests()
-                lr = self.trainer.train_step(hb, timed=logs)
+                # The node's compiling rank releases the others once forward and backward are compiled,
+                # before the gradient all-reduce that needs them.
+                release = self.shared.compiled if first and self.shared is not None else None
+                lr = self.trainer.train_step(hb, timed=logs, after_backward=release)
                 self.metrics.mark_warm()
                 if done - self.start == WARMUP_STEPS and self.lead and self.compiled:  # everything is compiled now
                     compile_cache.save(self.cache_path)
@@ -318,6 +329,21 @@ class DrafterRun:
         if logs:
             self.receiver.verify()
             self.metrics.flush(done, self.trainer, lr, final=done == self.num_steps)
+
+    def node_compile(self) -> compile_cache.SharedCompile:
+        """The first drafter rank of each node compiles; the node's other drafter ranks load its graphs."""
+        topo = self.ctx.topo
+        node = topo.rank // topo.ranks_per_node
+        self.shared_leader = min(r for r in topo.drafter_ranks if r // topo.ranks_per_node == node)
+        return compile_cache.SharedCompile(self.cache_path, dist.distributed_c10d._get_default_store(),
+                                           f"compiled/drafter/node{node}", leader=topo.rank == self.shared_leader)
+
+    def compile_output(self):
+        """A compile's native output (ptxas, the C++ compiler) to this rank's file, not the console."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        path = compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank)
+        return compile_output.to_file(path, "drafter compile")
 
     def finish(self, end: int) -> None:
         """End of data from every source, the last checkpoint, and the export when the run is complete."""

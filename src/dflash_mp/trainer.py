@@ -257,14 +257,17 @@ class DrafterTrainer:
         self.stats = IntervalStats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step
 
-    def train_step(self, hb: HiddenBatch, timed: bool = False) -> float:
+    def train_step(self, hb: HiddenBatch, timed: bool = False, after_backward=None) -> float:
         """One optimizer step on this rank's batch; gradients averaged over the drafter group.
 
         `timed`: record where this step's time goes (`phase_ms()`), without a host sync.
+        `after_backward`: called between this rank's backward and the gradient all-reduce.
         """
         lr = self.set_lr()
         marks = _Marks(self.device) if timed else None
         self.forward_backward(hb)
+        if after_backward is not None:
+            after_backward()
         if marks:
             marks.add("fwd_bwd")
         self.opt.allreduce()
