@@ -127,7 +127,7 @@ def test_shipped_asset_is_clean_and_reproducible(tok, tmp_path):
     ds, skipped = tokenize_dataset(load_conversations(cfg), tok, cfg)
     assert not skipped and len(ds) == 800
     regenerated = tmp_path / "demo.jsonl"
-    main(["make-data", "--out", str(regenerated), "--num", "800", "--seed", "0"])
+    main(["make-data", f"make_data.out={regenerated}", "make_data.num=800", "make_data.seed=0"])
     assert regenerated.read_bytes() == open(path, "rb").read()
     write_demo_data(str(tmp_path / "other.jsonl"), 20, seed=1)
     assert (tmp_path / "other.jsonl").read_text().splitlines()[0] != regenerated.read_text().splitlines()[0]

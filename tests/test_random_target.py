@@ -70,7 +70,7 @@ def test_trainer_runs_on_a_random_target(tmp_path, cache):
 
 def test_make_data_turns(tmp_path):
     out = tmp_path / "long.jsonl"
-    main(["make-data", "--out", str(out), "--num", "30", "--turns", "3"])
+    main(["make-data", f"make_data.out={out}", "make_data.num=30", "make_data.turns=3"])
     rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
     assert len(rows) == 30
     for messages in rows:

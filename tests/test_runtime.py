@@ -32,9 +32,9 @@ def test_one_cache_root_the_setting_over_the_environment(tmp_path, monkeypatch):
 
 
 def test_resolving_an_unbuilt_learned_target_refuses_instead_of_training(tmp_path):
-    with pytest.raises(ValueError, match="build-learned --size tiny"):
+    with pytest.raises(ValueError, match="build-learned build_learned.size=tiny"):
         resolve_target_path("builtin:learned-qwen3", str(tmp_path))
-    with pytest.raises(ValueError, match="build-learned --size medium"):
+    with pytest.raises(ValueError, match="build-learned build_learned.size=medium"):
         prepare(compose(["target.path=builtin:learned-qwen3-medium", f"target.cache_dir={tmp_path}"]))
     assert os.listdir(tmp_path) == []  # nothing was trained or written
 

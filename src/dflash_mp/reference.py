@@ -3,17 +3,20 @@ the target and every drafter replica in one process and no communication.
 
 The process split must change nothing: per-step losses and final drafter weights of
 `torchrun --nproc-per-node W` (gloo, fp32) equal this reference within float rounding.
-`python -m dflash_mp.reference --world-size 3 train.max_steps=8` prints the per-step losses.
+`python -m dflash_mp.reference reference.world_size=3 train.max_steps=8` prints the per-step losses.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 
-from .config import JobConfig, compose
+from omegaconf import MISSING
+
+from .cli import entry, tool_main
+from .config import JobConfig
 from .data import build_stream
 from .model import DFlashDrafter
 from .runtime import prepare
@@ -67,14 +70,22 @@ def reference_run(job: JobConfig, world_size: int) -> dict:
             "num_steps": num_steps}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    out = reference_run(compose(a.overrides), a.world_size)
+@dataclass
+class ReferenceConfig:
+    world_size: int = MISSING  # processes of the torchrun job to reproduce (its --nproc-per-node x nodes)
+
+
+def reference_command(job: JobConfig, opts: ReferenceConfig) -> None:
+    if opts.world_size < 2:
+        raise ValueError(f"reference.world_size={opts.world_size}: a job has at least one target and one "
+                         "drafter rank; use 2 or more.")
+    out = reference_run(job, opts.world_size)
     print(json.dumps({"losses": out["losses"]}))
 
 
+def main(argv: list[str] | None = None) -> None:
+    tool_main("reference", ReferenceConfig, reference_command, __doc__, argv)
+
+
 if __name__ == "__main__":
-    main()
+    entry(main)

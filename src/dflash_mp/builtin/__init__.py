@@ -44,8 +44,8 @@ def resolve_target_path(path: str, cache_dir: str = "") -> str:
             out = learned_target_dir(cache_dir, size)
             if not os.path.isfile(os.path.join(out, "config.json")):
                 raise ValueError(f"target.path={path}: the learned target is not built under {cache_root(cache_dir)}; "
-                                 f"build it first: python -m dflash_mp.builtin build-learned --size {size}"
-                                 + (f" --cache-dir {cache_dir}" if cache_dir else ""))
+                                 f"build it first: python -m dflash_mp.builtin build-learned build_learned.size={size}"
+                                 + (f" build_learned.cache_dir={cache_dir}" if cache_dir else ""))
             return out
     out = os.path.join(cache_root(cache_dir), f"{path.removeprefix('builtin:')}-v{DEMO_VERSION}")
     if os.path.isfile(os.path.join(out, "config.json")):

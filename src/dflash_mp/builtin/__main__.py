@@ -1,48 +1,79 @@
 """`python -m dflash_mp.builtin make-data|build-target|build-learned`: the builtin assets, built by hand.
 
-    python -m dflash_mp.builtin make-data --out src/dflash_mp/assets/demo_chat.jsonl --num 800 --seed 0
-    python -m dflash_mp.builtin make-data --out /tmp/long_chat.jsonl --num 400 --turns 48  # 1.8k-2.3k tokens
-    python -m dflash_mp.builtin build-target --out /tmp/tiny-qwen3
-    python -m dflash_mp.builtin build-learned [--size medium]   # into the cache: builtin:learned-qwen3[-medium]
+    python -m dflash_mp.builtin make-data make_data.out=src/dflash_mp/assets/demo_chat.jsonl make_data.num=800
+    python -m dflash_mp.builtin make-data make_data.out=/tmp/long_chat.jsonl make_data.num=400 make_data.turns=48
+    python -m dflash_mp.builtin build-target build_target.out=/tmp/tiny-qwen3
+    python -m dflash_mp.builtin build-learned [build_learned.size=medium]  # cached: builtin:learned-qwen3[-medium]
+
+Each command has a node of its own (`make_data.*`, `build_target.*`, `build_learned.*`) and reads no
+job config; `python -m dflash_mp.builtin COMMAND --help` lists its options.
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
+from omegaconf import MISSING
+
+from ..cli import commands_main, entry
 from .chats import demo_data_path, demo_texts, write_demo_data
 from .learned import SIZES, build_learned_target, train_learned_target
 from .targets import build_demo_target, build_demo_tokenizer
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_mp.builtin",
-                                     description="write the demo chats, build the tiny target or train a learned one")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    data = sub.add_parser("make-data", help="write the synthetic chat data set (jsonl)")
-    data.add_argument("--out", default=demo_data_path())
-    data.add_argument("--num", type=int, default=800)
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--turns", type=int, default=1,
-                      help="user/assistant turns per conversation; 1 = the shipped short chats (1-3 tasks)")
-    target = sub.add_parser("build-target", help="build the tiny Qwen3 target + tokenizer")
-    target.add_argument("--out", required=True)
-    target.add_argument("--seed", type=int, default=0)
-    learned = sub.add_parser("build-learned", help="train (once) and cache a learned Qwen3 target")
-    learned.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    learned.add_argument("--out", default=None, help="directory to write (default: its entry in the cache)")
-    learned.add_argument("--cache-dir", default="", help="cache root (default: $DFLASH_MP_CACHE or ~/.cache/dflash_mp)")
-    args = parser.parse_args(argv)
-    if args.cmd == "make-data":
-        write_demo_data(args.out, args.num, args.seed, args.turns)
-    elif args.cmd == "build-target":
-        build_demo_target(args.out, build_demo_tokenizer(demo_texts()), seed=args.seed)
-    elif args.out:
-        args.out = train_learned_target(args.out, size=args.size)
-    else:
-        args.out = build_learned_target(args.cache_dir, size=args.size)
-    print(args.out)
+@dataclass
+class MakeDataConfig:
+    out: str = ""  # jsonl file to write; empty = the shipped asset (src/dflash_mp/assets/demo_chat.jsonl)
+    num: int = 800  # conversations
+    seed: int = 0  # of the generator: the same seed writes the same file
+    turns: int = 1  # user/assistant turns per conversation; 1 = the shipped short chats (1-3 tasks)
+
+
+@dataclass
+class BuildTargetConfig:
+    out: str = MISSING  # directory to write the tiny Qwen3 target and its tokenizer to
+    seed: int = 0  # of its random weights
+
+
+@dataclass
+class BuildLearnedConfig:
+    size: str = "tiny"  # tiny (about a minute on a CPU) or medium (a GPU run)
+    out: str = ""  # directory to write; empty = its entry in the cache (what builtin:learned-qwen3* names)
+    cache_dir: str = ""  # cache root; empty = $DFLASH_MP_CACHE, else ~/.cache/dflash_mp
+
+
+def make_data(opts: MakeDataConfig) -> str:
+    if opts.turns < 1:
+        raise ValueError(f"make_data.turns={opts.turns}: use 1 (the short chats) or more.")
+    out = opts.out or demo_data_path()
+    write_demo_data(out, opts.num, opts.seed, opts.turns)
+    return out
+
+
+def build_target(opts: BuildTargetConfig) -> str:
+    return build_demo_target(opts.out, build_demo_tokenizer(demo_texts()), seed=opts.seed)
+
+
+def build_learned(opts: BuildLearnedConfig) -> str:
+    if opts.size not in SIZES:
+        raise ValueError(f"build_learned.size={opts.size!r} is not a size; use one of {', '.join(SIZES)}.")
+    if opts.out:
+        return train_learned_target(opts.out, size=opts.size)
+    return build_learned_target(opts.cache_dir, size=opts.size)
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    # The run functions are looked up here, at call time, so a test can stand in for one.
+    commands = {"make-data": ("make_data", MakeDataConfig, make_data, "Write the synthetic chat data set (jsonl)."),
+                "build-target": ("build_target", BuildTargetConfig, build_target,
+                                 "Build the tiny Qwen3 target and its tokenizer."),
+                "build-learned": ("build_learned", BuildLearnedConfig, build_learned,
+                                  "Train (once) and cache a learned Qwen3 target.")}
+    out = commands_main("python -m dflash_mp.builtin", commands, __doc__, argv)
+    if out is not None:
+        print(out)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -1,8 +1,9 @@
 """The demo chats: procedural conversations a tiny model can learn, shipped as
 `assets/demo_chat.jsonl` (`builtin:demo`, the default `data.path`). Nothing here touches the network.
 
-    python -m dflash_mp.builtin make-data --out src/dflash_mp/assets/demo_chat.jsonl --num 800 --seed 0
-    python -m dflash_mp.builtin make-data --out /tmp/long_chat.jsonl --num 400 --turns 48  # 1.8k-2.3k tokens
+    python -m dflash_mp.builtin make-data make_data.out=src/dflash_mp/assets/demo_chat.jsonl make_data.num=800
+    python -m dflash_mp.builtin make-data make_data.out=/tmp/long_chat.jsonl make_data.num=400 make_data.turns=48
+    (the second: 48-turn chats of 1.8k-2.3k tokens)
 """
 
 from __future__ import annotations

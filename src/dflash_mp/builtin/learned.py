@@ -8,7 +8,7 @@ do?"), mixed with the synthetic demo conversations. It is built once, determinis
 and cached like the tiny target; the cache name carries a hash of the corpus, so a Python whose
 docstrings differ gets its own copy.
 
-    python -m dflash_mp.builtin build-learned [--size medium] [--out DIR]
+    python -m dflash_mp.builtin build-learned [build_learned.size=medium] [build_learned.out=DIR]
 
 Resolving `builtin:learned-qwen3` never trains: build it first (the command above, or the learning
 proof, `python -m dflash_mp.builtin.proof`, which builds it).

@@ -3,23 +3,29 @@ demo data (`dflash_mp.regenerate`), `torchrun -m dflash_mp.main` trains a drafte
 `dflash_mp.evaluate` measures `tau_sim` and live speculative decoding, for the trained drafter and for
 an untrained one. Every stage runs as its own process, as a user would run it.
 
-    python -m dflash_mp.builtin.proof --work DIR [--size medium]
+    python -m dflash_mp.builtin.proof proof.work=DIR [proof.size=medium] [JOB OVERRIDES ...]
+
+Job overrides (`train.feature_noise=gaussian`) go to the training run only, after the size's own
+(so they win); they are checked before anything runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from omegaconf import MISSING
 
+from ..cli import entry, tool_main
 from ..export import export_drafter, load_exported
 from ..model import DFlashDrafter
-from .learned import SIZES, build_learned_target
+from .learned import build_learned_target
 from .names import LEARNED_TARGETS, cache_root
 
 # Per size: drafter training overrides, evaluation overrides, regeneration and pipeline settings.
@@ -102,26 +108,33 @@ def _export_untrained(trained: str, out: str, seed: int = 0) -> None:
                                                     "hidden_size": args.hidden_size, "vocab_size": args.vocab_size})
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_mp.builtin.proof",
-                                     description="regenerate -> torchrun train -> evaluate, with the learned target")
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    parser.add_argument("--rows", type=int, default=None, help="conversations to regenerate (default: the size's)")
-    parser.add_argument("--epochs", type=float, default=None, help="drafter epochs (default: the size's)")
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra training override, e.g. --train train.feature_noise=gaussian (repeatable)")
-    args = parser.parse_args(argv)
-    settings = {k: v for k, v in (("num_rows", args.rows), ("train_epochs", args.epochs)) if v is not None}
-    reports = run_pipeline(args.work, size=args.size, world=args.world, extra_train=args.train, **settings)
+@dataclass
+class ProofConfig:
+    work: str = MISSING  # directory of the run: regenerated data, training run, exports, reports.json
+    size: str = "tiny"  # learned target and profile: tiny (a CPU) or medium (a GPU)
+    rows: Optional[int] = None  # conversations to regenerate; null = the size's
+    epochs: Optional[float] = None  # drafter training epochs; null = the size's
+    world_size: int = 2  # processes of the training run: one target rank, the rest drafter ranks
+
+
+def run_proof(opts: ProofConfig, train: list[str]) -> dict:
+    """The pipeline with `train` (job overrides) added to its training run; prints and writes the reports."""
+    if opts.size not in PROFILES:
+        raise ValueError(f"proof.size={opts.size!r} is not a size; use one of {', '.join(PROFILES)}.")
+    settings = {k: v for k, v in (("num_rows", opts.rows), ("train_epochs", opts.epochs)) if v is not None}
+    reports = run_pipeline(opts.work, size=opts.size, world=opts.world_size, extra_train=train, **settings)
     print(f"timings: {reports.pop('timings')}")
-    with open(os.path.join(args.work, "reports.json"), "w") as f:
+    with open(os.path.join(opts.work, "reports.json"), "w") as f:
         json.dump(reports, f, indent=2)
     for name, rep in reports.items():
         print(f"{name:>9}: tau_sim {rep['sim']['tau_sim']:.3f}  tau_sim_anchors {rep['sim']['tau_sim_anchors']:.3f}  "
               f"live tau {rep['live']['tau']:.3f}  lossless {rep['live']['lossless']}")
+    return reports
+
+
+def main(argv: list[str] | None = None) -> None:
+    tool_main("proof", ProofConfig, run_proof, __doc__, argv, job="overrides")
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)
