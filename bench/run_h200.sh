@@ -72,7 +72,8 @@ has small && step drafter_0p6b "${T_SMALL:-110}" python3 drafter_step.py --prese
 cd ..
 if has pipeline; then
     step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex --steps 20
-    python3 -m dflash_mp.builtin make-data --out "$PIPE/long_chats.jsonl" --num 600 --turns 48 --seed 1 >> "$LOG" 2>&1
+    python3 -m dflash_mp.builtin make-data make_data.out="$PIPE/long_chats.jsonl" make_data.num=600 \
+        make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
     step pipeline_1p1 "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
         experiment=qwen3_8b target.path=builtin:random-qwen3-8b target.compile=false \
         data.path="$PIPE/long_chats.jsonl" train.max_steps=80 logging.log_every=10 logging.progress=false \

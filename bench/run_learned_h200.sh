@@ -2,7 +2,7 @@
 # The GPU learning proof (issue 3) in one device call, from the repo root on the GPU host:
 #   bash bench/run_learned_h200.sh     # logs + JSON to $OUT/results.tgz (or bench/results/learned_h200/)
 # 1. the CUDA-only tests, in the background while the medium target trains (neither is timed);
-# 2. `python -m dflash_mp.builtin.proof --size medium` on a quiet GPU: regenerate -> torchrun 1+1
+# 2. `python -m dflash_mp.builtin.proof proof.size=medium` on a quiet GPU: regenerate -> torchrun 1+1
 #    -> evaluate (held-out tau_sim, live tau at B=16, lossless check, speedup; trained and untrained);
 # 3. the target forward at Qwen3-8B shapes, eager and compiled flex, with a kernel-class profile.
 set -u
@@ -16,11 +16,11 @@ t0=$SECONDS
 say() { echo "[$((SECONDS - t0)) s] $*" | tee -a "$R/call.log"; }
 (OUT="$R" bash bench/run_h200.sh tests > /dev/null) &  # the CUDA-only tests, as run_h200.sh runs them
 tests=$!
-timeout 200 python3 -m dflash_mp.builtin build-learned --size medium > "$R/build_target.log" 2>&1
+timeout 200 python3 -m dflash_mp.builtin build-learned build_learned.size=medium > "$R/build_target.log" 2>&1
 say "build-target rc $?"
 wait $tests
 say "gpu tests: $(grep -E "passed|failed" "$R/run_h200.log" | tail -1)"
-timeout 330 python3 -m dflash_mp.builtin.proof --work "$WORK" --size medium > "$R/pipeline.log" 2>&1
+timeout 330 python3 -m dflash_mp.builtin.proof proof.work="$WORK" proof.size=medium > "$R/pipeline.log" 2>&1
 say "pipeline rc $?"
 cp "$WORK"/reports.json "$WORK"/eval_*.json "$R/" 2>/dev/null
 cp "$WORK/run/tb/drafter/scalars.jsonl" "$R/learned_medium_drafter_scalars.jsonl" 2>/dev/null

@@ -30,7 +30,8 @@ step() {  # step NAME SECONDS CMD...
     echo "{\"name\": \"$name\", \"rc\": $rc, \"wall_s\": $((SECONDS - t))}" >> "$WORK/rc.jsonl"
 }
 DATA="$WORK/long_chats.jsonl"
-[ -f "$DATA" ] || python3 -m dflash_mp.builtin make-data --out "$DATA" --num 600 --turns 48 --seed 1 >> "$LOG" 2>&1
+[ -f "$DATA" ] || python3 -m dflash_mp.builtin make-data make_data.out="$DATA" make_data.num=600 make_data.turns=48 \
+    make_data.seed=1 >> "$LOG" 2>&1
 JOB=(experiment=qwen3_8b target.path=builtin:random-qwen3-8b data.path="$DATA" train.max_steps="$STEPS"
      logging.log_every=10 logging.progress=false checkpoint.every=0)
 job() {  # job NAME LIMIT NPROC [OVERRIDES...]: one production run, its dir kept for splits.py
