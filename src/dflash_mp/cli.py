@@ -44,8 +44,7 @@ def tool_main(node: str, schema: type, run: Callable[..., Any], doc: str, argv: 
     overrides only to check them before anything runs, then calls `run(options, overrides)` with them
     as typed; "none" (it reads no job, the `builtin` commands) refuses them and calls `run(options)`.
     Raises ValueError for a bad command line; `entry` turns it into one `error:` line."""
-    if job not in JOB_USES:
-        raise ValueError(f"job={job!r}: use one of {', '.join(JOB_USES)}")
+    assert job in JOB_USES, job
     argv = list(sys.argv[1:] if argv is None else argv)
     command = command or "python -m " + _module_name(run)
     if "--help" in argv or "-h" in argv:

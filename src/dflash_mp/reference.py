@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-
 from omegaconf import MISSING
 
 from .cli import entry, tool_main
