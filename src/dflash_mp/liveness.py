@@ -269,6 +269,14 @@ class Liveness:
                          self.names.get(w["peer"], "every rank"), "; ".join(who) or "starting peers")
             if w is not None and w["quiet"] > self.wait_s:
                 peer = w["peer"]
+                # A wait that began before a peer froze runs out first: name the silent peer as the
+                # staleness rule would a moment later, not as a slow one.
+                for r in (beats if peer < 0 else [peer]):
+                    silent = self._silent_s(r, beats.get(r), now)
+                    if silent >= 2 * self.interval_s:
+                        return (f"{self.describe(r, beats[r])} has not beaten for {silent:.0f} s while "
+                                f"{self.names.get(self.rank)} waited {w['quiet']:.0f} s for {w['what']}: "
+                                f"dead or frozen")
                 if peer < 0:  # a collective of every rank: name the ranks furthest behind
                     live = {r: b for r, b in beats.items() if b is not None and b["phase"] != DONE}
                     low = min((b["step"] for b in live.values()), default=-1)
@@ -280,6 +288,13 @@ class Liveness:
                 head = w["msg"] or f"waited {w['quiet']:.0f} s for {w['what']} from {self.names.get(peer)}"
                 return f"{head}; it is alive: {state} (transport.timeout_s={self.wait_s:.0f})"
         return None
+
+    def _silent_s(self, r: int, b: dict | None, now: float) -> float:
+        """Seconds since rank `r`'s beat last moved, as this watcher saw it (0: moving or unknown)."""
+        if r == self.rank or b is None or b["phase"] in (DONE, FAILED) or r not in self._seen:
+            return 0.0
+        count, since, _ = self._seen[r]
+        return now - since if count == b["n"] else 0.0
 
     def _fatal(self, problem: str) -> None:
         me = self.names.get(self.rank, f"rank {self.rank}")

@@ -13,6 +13,7 @@ therefore a pure function of the drafter step, so only drafters need checkpoint 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -59,7 +60,7 @@ class RunContext:
     stop: StopSignal | None = None  # SIGTERM -> checkpoint and a clean exit
     run_id: str | None = None  # rundir.claim's: in checkpoint manifests, the export and scalar rows
 
-    @property
+    @functools.cached_property  # a frozen dataclass still has a __dict__ for it
     def spec(self) -> TargetSpec:
         return TargetSpec.from_config(self.target_config)
 
@@ -95,7 +96,16 @@ def agree_num_steps(ctx: RunContext, batches_per_epoch: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- target
-class TargetRun:
+class _RoleRun:
+    """What both role runs share: the parts built in `__init__` (an ExitStack), closed by `close()`."""
+
+    _stack: ExitStack
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class TargetRun(_RoleRun):
     """A target rank: tokenized data in, captured hidden states out to its drafters, in the exact
     order they consume them. No state to checkpoint: the data cursor follows the drafter step."""
 
@@ -186,18 +196,10 @@ class TargetRun:
         log.info("data set: %d rows skipped%s", sum(self.skipped.values()),
                  "".join(f", {k}={v}" for k, v in sorted(self.skipped.items())))
 
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def run_target(ctx: RunContext) -> None:
-    with TargetRun(ctx) as run:
+    with contextlib.closing(TargetRun(ctx)) as run:
         run.run()
 
 
@@ -232,7 +234,7 @@ def build_trainer(ctx: RunContext, num_steps: int):
     return trainer, args
 
 
-class DrafterRun:
+class DrafterRun(_RoleRun):
     """A drafter rank: hidden states in, one optimizer step per batch, checkpoints, and at the end
     the export (role leader)."""
 
@@ -369,18 +371,10 @@ class DrafterRun:
                        chat_template_kwargs=job.data.chat_template_kwargs)
         log.info("exported drafter to %s", out)
 
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def run_drafter(ctx: RunContext) -> None:
-    with DrafterRun(ctx) as run:
+    with contextlib.closing(DrafterRun(ctx)) as run:
         run.run()
 
 

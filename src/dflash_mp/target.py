@@ -448,27 +448,39 @@ class TargetWorker:
         alone = torch.cat([self._capture(ids, pos, torch.zeros_like(pos), run=self._forward)
                            for ids, pos in zip(docs_ids, positions)])
         dtype = self.model.get_input_embeddings().weight.dtype
-        tol = 1e-3 if dtype == torch.float32 else 3e-2
-        diffs = {}
+        floor = 1e-3 if dtype == torch.float32 else 3e-2
+        first = lengths[0]
+        diffs, tols = {}, {}
         for k, layer in enumerate(self.layer_ids):
             cols = slice(k * width, (k + 1) * width)
             # Per token: a leak is largest at a document's first tokens (nothing of their own to
             # attend to yet) and must not be averaged away over the rest of the row.
             p, a = packed[:, cols].float(), alone[:, cols].float()
-            diffs[layer] = float(((p - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)).max())
-        bad = [layer for layer, d in diffs.items() if not d <= tol]
+            rel = (p - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)
+            # The first document has nothing before it to leak from: its difference is the kernels'
+            # rounding at another row length (bf16 on a GPU), the scale a leak must stand out from;
+            # but only while small: a first document that moves by more than NOISE_CAP sees what
+            # follows it, a leak of its own.
+            noise = float(rel[:first].max())
+            diffs[layer] = max(float(rel[first:].max()), noise)
+            tols[layer] = max(floor, 4 * noise) if noise <= NOISE_CAP else floor
+        tol = max(tols.values())
+        bad = [layer for layer, d in diffs.items() if not d <= tols[layer]]
         if bad:
             layer = bad[0]
             raise ValueError(
                 f"target {type(self.model).__name__}: captured layer {layer} differs by {diffs[layer]:.2e} "
-                f"(relative, tolerance {tol:g}) between a packed row of {len(lengths)} documents and each "
+                f"(relative, tolerance {tols[layer]:.2e}) between a packed row of {len(lengths)} documents and each "
                 "document run alone, so some layer sees across document boundaries and the drafter would "
                 "train on leaked features. Use a target whose layers honour the packed-document mask (or "
                 "run it with another target.attn_implementation); target.packing_check=false skips this "
                 "check at the cost of those leaked features.")
-        log.info("target %s packs exactly: max relative difference %.1e over layers %s",
-                 type(self.model).__name__, max(diffs.values()), self.layer_ids)
+        log.info("target %s packs exactly: max relative difference %.1e (tolerance %.1e) over layers %s",
+                 type(self.model).__name__, max(diffs.values()), tol, self.layer_ids)
         return diffs
+
+
+NOISE_CAP = 0.05  # the most rounding the packing check attributes to kernels (bf16, another row length)
 
 
 def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str) -> nn.Module:

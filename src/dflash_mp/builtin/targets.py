@@ -107,15 +107,7 @@ def build_random_target(out_dir: str, tokenizer, seed: int = 0, **sizes) -> str:
     Weights of 8B shapes take seconds to draw on a GPU but minutes to write and read back, so they are
     drawn at load time instead (target.TargetWorker.load, target.load_target_head).
     """
-    config = demo_qwen3_config(tokenizer, **sizes)
-
-    def save(tmp: str) -> None:
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, RANDOM_INIT), "w") as f:
-            json.dump({"seed": seed}, f)
-
-    return write_atomic(out_dir, save)
+    return _write_random_target(out_dir, demo_qwen3_config(tokenizer, **sizes), tokenizer, seed)
 
 
 def build_random_arch_target(out_dir: str, tokenizer, fields: dict, seed: int = 0) -> str:
@@ -124,7 +116,10 @@ def build_random_arch_target(out_dir: str, tokenizer, fields: dict, seed: int = 
     vocab_size = fields.get("vocab_size") or math.ceil((len(tokenizer) + 8) / 64) * 64
     config = hf_config(fields, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    return _write_random_target(out_dir, config, tokenizer, seed)
 
+
+def _write_random_target(out_dir: str, config, tokenizer, seed: int) -> str:
     def save(tmp: str) -> None:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
