@@ -65,3 +65,49 @@ def target_forward_flops(spec, num_layers: int, tokens: int, causal_pairs: float
 def causal_pairs_packed(doc_lengths: list[int]) -> float:
     """Visible pairs of a block-diagonal causal mask over documents of the given lengths."""
     return float(sum(n * (n + 1) // 2 for n in doc_lengths))
+
+
+def _num_experts(config: dict) -> int:
+    return config.get("num_experts") or config.get("num_local_experts") or 0
+
+
+def is_sparse_layer(config: dict, i: int) -> bool:
+    """Layer `i` of a mixture-of-experts config routes its MLP (Qwen3-MoE's `mlp_only_layers` and
+    `decoder_sparse_step` rules; every layer of a model without them)."""
+    if not _num_experts(config) or i in (config.get("mlp_only_layers") or []):
+        return False
+    return (i + 1) % (config.get("decoder_sparse_step") or 1) == 0
+
+
+def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) -> float:
+    """Forward FLOPs of decoder layer `i` of a target (a flat config.json dict) over `tokens` tokens
+    whose attention sees `causal_pairs` (query, key) pairs: what stage balancing weighs.
+
+    Full and sliding attention layers: q/k/v/o projections plus attention scores (a sliding window
+    caps the pairs); linear-attention layers (Qwen3.5 Gated DeltaNet): their projections and a
+    recurrence linear in `tokens`. MLPs: dense, or the routed experts a token visits (`top_k`) plus
+    the shared expert and the router.
+    """
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    kv = (config.get("num_key_value_heads") or heads) * head_dim
+    q = heads * head_dim
+    kind = (config.get("layer_types") or ["full_attention"] * (i + 1))[i]
+    if kind == "linear_attention":
+        kh, kd = config["linear_num_key_heads"], config["linear_key_head_dim"]
+        vh, vd = config["linear_num_value_heads"], config["linear_value_head_dim"]
+        per_token = 2 * h * (2 * kh * kd + 2 * vh * vd + 2 * vh) + 2 * vh * vd * h + 4 * vh * kd * vd
+        pairs = 0.0
+    else:
+        per_token = 2 * h * (q + 2 * kv) + 2 * q * h
+        pairs = causal_pairs
+        window = config.get("sliding_window")
+        if kind == "sliding_attention" and window:
+            pairs = min(causal_pairs, float(tokens * window))
+    if is_sparse_layer(config, i):
+        per_token += 2 * 3 * h * config["moe_intermediate_size"] * config["num_experts_per_tok"]
+        per_token += 2 * 3 * h * (config.get("shared_expert_intermediate_size") or 0) + 2 * h * _num_experts(config)
+    else:
+        per_token += 2 * 3 * h * config["intermediate_size"]
+    return float(tokens * per_token + 4 * heads * head_dim * pairs)

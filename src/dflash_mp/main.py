@@ -40,7 +40,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
-                         allow_no_target=job.transport.kind == "files")
+                         allow_no_target=job.transport.kind == "files", stages=job.target.stages)
     setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
     quiet_console(rank == topo.drafter_ranks[0])  # one set of progress bars per job, before any model loads
     stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .compile_stats import counts as compile_counts
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
                     target_forward_flops)
+from .batch import PackedBatch
 from .resilience import DataTally
 
 log = logging.getLogger(__name__)
@@ -438,20 +439,46 @@ class TargetMetrics:
         self.spec, self.num_layers = spec, num_layers  # spec: target.TargetSpec
         self.peak_flops, self.device, self.skipped = peak_tflops * 1e12, device, skipped
         self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, start
+        self._pairs = None  # a later stage's attention pairs, summed on the device (no sync per batch)
+        self._rows = 0
 
-    def update(self, pb) -> None:
-        """One packed batch forwarded and sent."""
-        self.tokens += pb.num_valid_tokens
-        self.docs += pb.num_docs
-        pairs = causal_pairs_packed(torch.bincount(pb.doc_ids[pb.doc_ids >= 0]).tolist())
-        self.flops += target_forward_flops(self.spec, self.num_layers, pb.seq_len, pairs)
+    def update(self, batch, data: bool = True) -> None:
+        """One batch forwarded and sent: a PackedBatch (host tensors), or on a stage after the first
+        the previous stage's HiddenBatch (device tensors). `data`: count its tokens and documents
+        (a replica's first stage does; the others count only the FLOPs of their own layers)."""
+        if isinstance(batch, PackedBatch):
+            if data:
+                self.tokens += batch.num_valid_tokens
+                self.docs += batch.num_docs
+            pairs = causal_pairs_packed(torch.bincount(batch.doc_ids[batch.doc_ids >= 0]).tolist())
+            self.flops += target_forward_flops(self.spec, self.num_layers, batch.seq_len, pairs)
+            return
+        docs = batch.doc_ids
+        counts = torch.zeros(docs.shape[0] + 1, dtype=torch.float64, device=docs.device)
+        counts.index_add_(0, docs + 1, torch.ones_like(docs, dtype=torch.float64))
+        pairs = (counts[1:] * (counts[1:] + 1) / 2).sum()  # slot 0: padding (doc id -1)
+        self._pairs = pairs if self._pairs is None else self._pairs + pairs
+        self._rows += 1
+        self.seq_len = docs.shape[0]
+
+    def _device_flops(self) -> float:
+        if self._pairs is None:
+            return 0.0
+        pairs, rows = float(self._pairs), self._rows  # a sync, at the flush only
+        self._pairs, self._rows = None, 0
+        # Linear in the pairs: the rows' sum is the FLOPs of their summed pairs.
+        return rows * target_forward_flops(self.spec, self.num_layers, self.seq_len, 0.0) + \
+            target_forward_flops(self.spec, self.num_layers, 0, pairs)
 
     def flush(self, step: int, sender_stats: dict) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - self.t0
+        self.flops += self._device_flops()
         st, w, n = sender_stats, self.writer, self.n
         vals = reduce_scalars({"tokens_per_s": self.tokens / dt, "mfu": self.flops / dt / self.peak_flops,
+                               # a staged target's later stages: waiting for the previous stage
+                               "stage_wait_ms": st.get("wait_ms", 0.0) / (step - self.last),
                                # per step, like the drafter's comm/wait_ms
                                "stall_ms": st.get("stall_ms", 0.0) / (step - self.last),
                                "in_flight": st.get("in_flight", 0),
@@ -466,5 +493,7 @@ class TargetMetrics:
         w.add_scalar("target/mfu", vals["mfu"], step)
         w.add_scalar("comm/stall_ms", vals["stall_ms"], step)
         w.add_scalar("comm/in_flight", vals["in_flight"], step)
+        if "wait_ms" in st or vals["stage_wait_ms"]:
+            w.add_scalar("comm/stage_wait_ms", vals["stage_wait_ms"], step)
         w.flush()
         self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, step

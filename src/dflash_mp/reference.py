@@ -26,12 +26,14 @@ from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
 
 def reference_run(job: JobConfig, world_size: int) -> dict:
     device, dtype = torch.device("cpu"), torch.float32
-    topo = Topology.plan(job.topology.num_target_ranks, 0, world_size)
+    # A staged target's replica computes what one unstaged target does: the reference runs it whole,
+    # with one data shard per replica, fed to drafters by the replica's last stage.
+    topo = Topology.plan(job.topology.num_target_ranks, 0, world_size, stages=job.target.stages)
     res = prepare(job)
     job, path, tokenizer, tcfg = res.job, res.target_path, res.tokenizer, res.target_config
     layer_ids, mask_id = res.layer_ids, res.mask_token_id
-    streams = {t: build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"])
-               for i, t in enumerate(topo.target_ranks)}
+    streams = {rep[-1]: build_stream(job.data, tokenizer, i, topo.num_replicas, vocab_limit=tcfg["vocab_size"])
+               for i, rep in enumerate(topo.replicas)}
     tc = job.train
     total = sum(s.batches_per_epoch(0) for s in streams.values())
     num_steps = tc.max_steps if tc.max_steps > 0 else int(tc.epochs * total // len(topo.drafter_ranks))
@@ -53,7 +55,7 @@ def reference_run(job: JobConfig, world_size: int) -> dict:
     losses = []
     for step in range(num_steps):
         batches = {}
-        for t in topo.target_ranks:
+        for t in streams:
             for d in topo.sends_at_step(t, step):
                 # Clone outside inference mode, as a receive into a normal buffer would.
                 batches[d] = worker.forward(next(its[t])).to("cpu", copy=True)

@@ -32,6 +32,7 @@ from .export import export_drafter, job_yaml
 from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
+from .stages import StagePlan, plan_stages
 from .target import TargetSpec
 from .topology import Topology
 from .transport import SlotSpec, build_transport
@@ -73,6 +74,16 @@ class RunContext:
         width = len(self.layer_ids) * self.target_config["hidden_size"]
         return SlotSpec(seq_len=self.job.data.seq_len, hidden_dim=width, hidden_dtype=self.dtype,
                         device=self.device)
+
+    @functools.cached_property
+    def stage_plan(self) -> StagePlan:
+        """The layers of each stage of a target replica (one stage: every layer)."""
+        return plan_stages(self.target_config, self.layer_ids, self.topo.stages, self.job.data.seq_len)
+
+    def link_spec(self, boundary: int) -> SlotSpec:
+        """Messages from stage `boundary` to the next: residual stream plus the layers captured so far."""
+        return SlotSpec(seq_len=self.job.data.seq_len, hidden_dim=self.stage_plan.boundary_width(boundary),
+                        hidden_dtype=self.dtype, device=self.device)
 
 
 def agree_num_steps(ctx: RunContext, batches_per_epoch: int) -> int:
@@ -117,37 +128,51 @@ class TargetRun(_RoleRun):
         job, topo = ctx.job, ctx.topo
         self.live = live = ctx.live or NullLiveness()
         quiet_console(False)  # the drafter leader's console carries the job's bars
-        live.phase("loading", "tokenizing data")
-        self.stream = build_stream(job.data, ctx.tokenizer, topo.role_rank, topo.role_size,
-                                   vocab_limit=ctx.target_config["vocab_size"])
-        self.num_steps = agree_num_steps(ctx, self.stream.batches_per_epoch(0))
+        # A staged target (target.stages > 1): this rank runs one stage of its replica; only the first
+        # stage reads data, the others take the previous stage's messages.
+        self.stage = topo.stage_of(topo.rank)
+        self.prev, self.next = topo.prev_stage(topo.rank), topo.next_stage(topo.rank)
+        self.stream = None
+        if self.prev is None:
+            live.phase("loading", "tokenizing data")
+            self.stream = build_stream(job.data, ctx.tokenizer, topo.replica_index(topo.rank), topo.num_replicas,
+                                       vocab_limit=ctx.target_config["vocab_size"])
+        self.num_steps = agree_num_steps(ctx, self.stream.batches_per_epoch(0) if self.stream else 0)
         self.start, _ = ckpt.resume_point(effective_resume(job.checkpoint.resume), ctx.ckpt_root)
-        seek(self.stream, topo.num_sends(topo.rank, self.start))
-        live.phase("loading", "target weights")
+        if self.stream is not None:
+            seek(self.stream, topo.num_sends(topo.rank, self.start))
+        layers = ctx.stage_plan.bounds[self.stage]
+        if topo.stages > 1 and topo.rank == topo.target_ranks[0]:
+            log.info("target stages (%d per replica): %s", topo.stages, ctx.stage_plan.describe())
+        live.phase("loading", "target weights" if topo.stages == 1 else f"target layers {layers[0]}-{layers[1] - 1}")
         self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                         job.target.attn_implementation, job.target.compile,
-                                        job.target.packing_check)
+                                        job.target.packing_check, layers=layers)
         self.compiled = job.target.compile and ctx.device.type == "cuda"
-        self.cache_path = compile_cache.artifact_path(job.run_dir, "target", ctx.device)
+        role = "target" if topo.stages == 1 else f"target-stage{self.stage}"  # each stage its own graphs
+        self.cache_path = compile_cache.artifact_path(job.run_dir, role, ctx.device)
+        self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         if self.compiled:
             live.phase("loading", "compile cache")
             compile_cache.load(self.cache_path)
         live.phase("starting", "transport")
         with ExitStack() as stack:
-            self.sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.live)
+            self.sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
             stack.callback(self.sender.close)
+            self.upstream = self.sender.upstream
             self.writer = make_writer(job.logging.tensorboard, topo.is_role_leader,
                                       os.path.join(job.run_dir, "tb", "target"), ctx.run_id)
             stack.callback(self.writer.close)
             self.writer.add_text("config", f"```\n{job_yaml(job)}\n```", 0)  # a null writer off the leader
             self.writer.add_text("resolved", resolved_choices(ctx), 0)
-            self.batches = iter(self.stream)
+            self.batches = iter(self.stream) if self.stream is not None else None
             self.fault = fault_from_env()
             self.agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, self.start, self.num_steps,
                                        ctx.live)
-            self.skipped = {k.split("/", 1)[1]: v for k, v in self.stream.stats().items() if k.startswith("skipped/")}
+            stats = self.stream.stats() if self.stream is not None else {}
+            self.skipped = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("skipped/")}
             self.metrics = TargetMetrics(self.writer, topo.target_group, topo.role_size, ctx.spec,
-                                         max(ctx.layer_ids) + 1, job.logging.peak_tflops, ctx.device, self.skipped,
+                                         layers[1] - layers[0], job.logging.peak_tflops, ctx.device, self.skipped,
                                          self.start)
             self.forwards = 0
             self._stack = stack.pop_all()  # from here close() owns them
@@ -164,9 +189,13 @@ class TargetRun(_RoleRun):
             maybe_fault(self.fault, topo.rank, step, "kill")
             maybe_fault(self.fault, topo.rank, step, "hang")
             for dst in topo.sends_at_step(topo.rank, step):
-                self.send(dst, next(self.batches), step)
+                batch = next(self.batches) if self.upstream is None else self.upstream.recv(self.prev)
+                self.send(dst if self.next is None else self.next, batch, step)
             if (step + 1) % log_every == 0 or step + 1 == self.num_steps:
-                self.metrics.flush(step + 1, self.sender.stats())
+                stats = self.sender.stats()
+                if self.upstream is not None:
+                    stats["wait_ms"] = self.upstream.stats()["wait_ms"]
+                self.metrics.flush(step + 1, stats)
         self.finish(end)
 
     def send(self, dst: int, pb, step: int) -> None:
@@ -175,7 +204,7 @@ class TargetRun(_RoleRun):
                                           "target compile") if self.compiled else contextlib.nullcontext())
             with self.live.during("compiling", "target forward"), out:
                 hb = self.worker.forward(pb)
-                if self.compiled and self.ctx.topo.is_role_leader:
+                if self.saves_cache:
                     compile_cache.save(self.cache_path)
             startup_s = process_age_s()
             log.info("first target forward done %.1f s after the process started", startup_s)
@@ -184,15 +213,18 @@ class TargetRun(_RoleRun):
             hb = self.worker.forward(pb)
         self.forwards += 1
         self.sender.send(dst, hb)
-        self.metrics.update(pb)
+        self.metrics.update(pb, data=self.stream is not None)
 
     def finish(self, end: int) -> None:
         rank = self.ctx.topo.rank
         self.agree.finish()
+        if self.upstream is not None:
+            self.upstream.expect_end(self.prev)
         self.sender.finish()
         if end < self.num_steps:
             log.warning("target rank %d stopped at step %d of %d (SIGTERM)", rank, end, self.num_steps)
-        log.info("target rank %d done: steps %d..%d; data: %s", rank, self.start, end, self.stream.stats())
+        data = self.stream.stats() if self.stream is not None else f"stage {self.stage}, fed by rank {self.prev}"
+        log.info("target rank %d done: steps %d..%d; data: %s", rank, self.start, end, data)
         log.info("data set: %d rows skipped%s", sum(self.skipped.values()),
                  "".join(f", {k}={v}" for k, v in sorted(self.skipped.items())))
 
@@ -258,7 +290,7 @@ class DrafterRun(_RoleRun):
             log.info("resumed from %s at step %d", path, self.start)
         with ExitStack() as stack:
             live.phase("starting", "transport")
-            self.receiver = build_transport(job.transport, topo, ctx.slot_spec, ctx.live)
+            self.receiver = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
             stack.callback(self.receiver.close)
             self.receiver.seek(self.start)
             self.writer = make_writer(job.logging.tensorboard, lead, os.path.join(job.run_dir, "tb", "drafter"),

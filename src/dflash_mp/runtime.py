@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import builtin, rundir
 from .config import JobConfig
 from .resilience import restart_count
+from .stages import plan_stages
 from .target import TargetSpec, capture_layer_ids, check_model_path, load_target_config, mask_token_id, resolve_dtype
 from .topology import Topology
 from .trainer import build_drafter_args
@@ -118,6 +119,7 @@ def validate(job: JobConfig, target_config: dict, tokenizer) -> tuple[list[int],
         build_drafter_args(job.drafter, spec, layer_ids, mask)
     except ValueError as e:  # the model's own checks name its fields: say where they are set
         raise ValueError(f"drafter config (drafter.*): {e}") from None
+    plan_stages(target_config, layer_ids, job.target.stages, job.data.seq_len)  # a split that cannot be fails here
     return layer_ids, mask
 
 

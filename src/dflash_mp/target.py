@@ -35,6 +35,9 @@ class TargetConfig:
     compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
     cache_dir: str = ""  # where builtin targets are built once; "" = $DFLASH_MP_CACHE or ~/.cache/dflash_mp
     packing_check: bool = True  # at load, refuse a target whose packed rows leak across documents
+    # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
+    # node (a target larger than one GPU), balanced by forward cost; see stages.py.
+    stages: int = 1
 
 
 def rope_from_config(config: dict) -> tuple[float, dict | None]:
@@ -317,14 +320,24 @@ class TargetWorker:
 
     `compile`: the forward is one `torch.compile` region, except flex_attention itself, which runs as
     its own compiled kernel between the graph pieces (`_flex_outside_graph`) unless `flex_in_graph`.
+
+    `layers` = (first, end): one stage of a staged target (stages.py) runs decoder layers [first, end)
+    only. A first stage takes PackedBatches; a later one takes the previous stage's HiddenBatch, whose
+    `hidden` is [residual stream, captured so far]. A stage before the last returns [residual stream
+    after its layers, captured so far], the last returns the captured layers alone, as one stage does.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
-                 flex_in_graph: bool = False):
-        self.layer_ids = list(layer_ids)
+                 flex_in_graph: bool = False, layers: tuple[int, int] | None = None):
+        self.all_layer_ids = sorted(layer_ids)
+        first, end = layers if layers is not None else (0, max(layer_ids) + 1)
+        self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
+        self.stage_layers = (first, end)
+        self.layer_ids = [i for i in self.all_layer_ids if first <= i < end]  # the ones this stage captures
         self.device = device
         self.model = model
         self.decoder = model.get_decoder()
+        self.hidden_size = model.config.get_text_config().hidden_size
         self.flex = model.config._attn_implementation in ("flex_attention", FLEX_OUTSIDE_GRAPH)
         self.window = sliding_window_of(model.config)
         self.layer_types = sorted(set(getattr(model.config, "layer_types", None) or []))
@@ -367,20 +380,25 @@ class TargetWorker:
     @classmethod
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
              attn_implementation: str = "auto", compile: bool = False,
-             packing_check: bool = True) -> "TargetWorker":
-        from transformers import AutoModelForCausalLM
-
+             packing_check: bool = True, layers: tuple[int, int] | None = None) -> "TargetWorker":
+        """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
+        stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
+        weights are read (and the embedding on a first stage)."""
         attn = resolve_attn(attn_implementation, device)
+        last = max(layer_ids)
+        first, end = layers if layers is not None else (0, last + 1)
+        if not 0 <= first < end <= last + 1:
+            raise ValueError(f"stage layers [{first}, {end}) are outside the target's layers 0..{last}")
         seed = random_init_seed(path)
         if seed is None:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+            model = load_stage(path, first, end, keep_norm=end == last + 1, dtype=dtype, attn=attn)
         else:
-            model = random_target(path, seed, device, dtype, attn)
+            model = random_target(path, seed, device, dtype, attn, first, end, keep_norm=end == last + 1)
         if getattr(model.config, "output_router_logits", False):
             model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
-        truncate(model, max(layer_ids))
+        truncate(model, last)
         model.to(device).eval().requires_grad_(False)
-        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda")
+        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end))
         if packing_check:
             worker.check_packing()
         else:
@@ -388,11 +406,17 @@ class TargetWorker:
                         type(model).__name__)
         return worker
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask) -> torch.Tensor:
-        self.decoder(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, use_cache=False)
-        hidden = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
+    def _forward(self, x: torch.Tensor, pos: torch.Tensor, mask, before: torch.Tensor | None = None) -> torch.Tensor:
+        """`x`: token ids on a first stage, else the residual stream [T, H]; `before`: the captured
+        columns the previous stages sent. Returns what this stage passes on (class docstring)."""
+        inputs = {"input_ids": x[None]} if self.first_stage else {"inputs_embeds": x[None]}
+        out = self.decoder(**inputs, position_ids=pos[None], attention_mask=mask, use_cache=False)
+        parts = [] if self.last_stage else [out.last_hidden_state[0]]
+        if before is not None:
+            parts.append(before)
+        parts += [self._captured[i][0] for i in self.layer_ids]
         self._captured.clear()
-        return hidden
+        return torch.cat(parts, dim=-1)
 
     def masks(self, docs: torch.Tensor):
         """The packed-document mask; for targets with several layer types, one per type (a mask passed
@@ -408,21 +432,29 @@ class TargetWorker:
             masks["sliding_attention"] = build(docs, self.window)
         return masks
 
-    def _capture(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, run=None) -> torch.Tensor:
+    def _capture(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, run=None,
+                 before: torch.Tensor | None = None) -> torch.Tensor:
         if self.recurrent:
             cuts = (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist()
             self._bounds = [0, *cuts, docs.shape[0]]
         try:
-            return (run or self._run)(ids, pos, self.masks(docs))
+            return (run or self._run)(x, pos, self.masks(docs), before)
         finally:
             self._bounds = None
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch) -> HiddenBatch:
+    def forward(self, batch: PackedBatch | HiddenBatch) -> HiddenBatch:
+        """A PackedBatch on a first stage; the previous stage's HiddenBatch on a later one."""
         ids = batch.input_ids.to(self.device, non_blocking=True)
         pos = batch.position_ids.to(self.device, non_blocking=True)
         docs = batch.doc_ids.to(self.device, non_blocking=True)
-        hidden = self._capture(ids, pos, docs)
+        if self.first_stage:
+            hidden = self._capture(ids, pos, docs)
+        else:
+            incoming = batch.hidden.to(self.device, non_blocking=True)
+            h = self.hidden_size
+            before = incoming[:, h:] if incoming.shape[1] > h else None
+            hidden = self._capture(incoming[:, :h], pos, docs, before=before)
         return HiddenBatch(
             hidden=hidden,
             input_ids=ids,
@@ -438,20 +470,29 @@ class TargetWorker:
         naming the target class and the first captured layer whose packed features differ beyond
         rounding (a layer that sees across document boundaries would train the drafter on features
         serving never produces). Returns {layer: relative difference}. Eager, so a compiled target
-        compiles no probe shapes."""
-        vocab, width = self.model.get_input_embeddings().weight.shape
+        compiles no probe shapes. A stage after the first probes its own layers with a random
+        residual stream (its input is another stage's output); a stage before the last also checks
+        the residual stream it passes on (keyed by its last layer when that one is not captured)."""
+        width = self.hidden_size
         g = torch.Generator().manual_seed(seed)
-        docs_ids = [torch.randint(vocab, (n,), generator=g).to(self.device) for n in lengths]
+        dtype = next(p.dtype for p in self.decoder.parameters() if p.is_floating_point())
+        if self.first_stage:
+            vocab = self.model.get_input_embeddings().weight.shape[0]
+            inputs = [torch.randint(vocab, (n,), generator=g).to(self.device) for n in lengths]
+        else:
+            inputs = [torch.randn(n, width, generator=g).to(self.device, dtype) for n in lengths]
         positions = [torch.arange(n, device=self.device) for n in lengths]
         doc_ids = torch.cat([torch.full((n,), d, device=self.device) for d, n in enumerate(lengths)])
-        packed = self._capture(torch.cat(docs_ids), torch.cat(positions), doc_ids, run=self._forward)
-        alone = torch.cat([self._capture(ids, pos, torch.zeros_like(pos), run=self._forward)
-                           for ids, pos in zip(docs_ids, positions)])
-        dtype = self.model.get_input_embeddings().weight.dtype
+        packed = self._capture(torch.cat(inputs), torch.cat(positions), doc_ids, run=self._forward)
+        alone = torch.cat([self._capture(x, pos, torch.zeros_like(pos), run=self._forward)
+                           for x, pos in zip(inputs, positions)])
+        # Column blocks of the output: the residual stream (a stage before the last), then its captures.
+        ends = [] if self.last_stage else [self.stage_layers[1] - 1]
+        blocks = ends + self.layer_ids
         floor = 1e-3 if dtype == torch.float32 else 3e-2
         first = lengths[0]
         diffs, tols = {}, {}
-        for k, layer in enumerate(self.layer_ids):
+        for k, layer in enumerate(blocks):
             cols = slice(k * width, (k + 1) * width)
             # Per token: a leak is largest at a document's first tokens (nothing of their own to
             # attend to yet) and must not be averaged away over the rest of the row.
@@ -462,7 +503,7 @@ class TargetWorker:
             # but only while small: a first document that moves by more than NOISE_CAP sees what
             # follows it, a leak of its own.
             noise = float(rel[:first].max())
-            diffs[layer] = max(float(rel[first:].max()), noise)
+            diffs[layer] = max(float(rel[first:].max()), noise, diffs.get(layer, 0.0))
             tols[layer] = max(floor, 4 * noise) if noise <= NOISE_CAP else floor
         tol = max(tols.values())
         bad = [layer for layer, d in diffs.items() if not d <= tols[layer]]
@@ -476,26 +517,130 @@ class TargetWorker:
                 "run it with another target.attn_implementation); target.packing_check=false skips this "
                 "check at the cost of those leaked features.")
         log.info("target %s packs exactly: max relative difference %.1e (tolerance %.1e) over layers %s",
-                 type(self.model).__name__, max(diffs.values()), tol, self.layer_ids)
+                 type(self.model).__name__, max(diffs.values()), tol, blocks)
         return diffs
 
 
 NOISE_CAP = 0.05  # the most rounding the packing check attributes to kernels (bf16, another row length)
 
 
-def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str) -> nn.Module:
-    """The model of a random-weight target, initialised on `device` (8B: seconds on a GPU, where a CPU
-    init takes minutes), seeded without touching the caller's RNG. Its embedding is the one
-    `load_target_head` gives drafter ranks; its LM head is dropped by `truncate`, so it is left as drawn."""
+class Elsewhere(nn.Module):
+    """Stands in for a decoder layer (or the embedding) that another stage of a staged target runs:
+    no weights, and the residual stream passes through. It keeps the layer's type, which decoders read."""
+
+    def __init__(self, layer_type: str | None = None):
+        super().__init__()
+        if layer_type is not None:
+            self.layer_type = self.attention_type = layer_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def strip_to_stage(model: nn.Module, first: int, end: int, keep_norm: bool) -> None:
+    """Keep decoder layers [first, end) of `model`: the others become `Elsewhere`, as does the
+    embedding of a stage after the first; the LM head goes, and the final norm unless `keep_norm`
+    (the stage that runs the last captured layer keeps it: TargetWorker applies it to the last layer).
+    Layer indices stay global, so checkpoint names and `config.layer_types[i]` still match."""
+    decoder = model.get_decoder()
+    types = list(getattr(decoder.config, "layer_types", None) or [])
+    others = [i for i in range(len(decoder.layers)) if not first <= i < end]
+    for i in others:
+        decoder.layers[i] = Elsewhere(types[i] if i < len(types) else None)
+    # The checkpoint's weights of what is dropped here are expected to go unread: no load report on them.
+    skipped = [r"(^|\.)lm_head\."]
+    if others:
+        skipped.append(rf"(^|\.)layers\.({'|'.join(map(str, others))})\.")
+    if first > 0:
+        decoder.embed_tokens = Elsewhere()
+        skipped.append(r"(^|\.)embed_tokens\.")
+    if not keep_norm:
+        decoder.norm = nn.Identity()
+        skipped.append(r"(^|\.)norm\.weight$")
+    model.lm_head = nn.Identity()
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = {}
+    model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), *skipped}
+
+
+def _untied(config):
+    """`config` (and its text config) without tied embeddings: a stage holds no LM head to tie."""
+    config.tie_word_embeddings = False
+    config.get_text_config().tie_word_embeddings = False
+    return config
+
+
+def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dtype, attn: str) -> nn.Module:
+    """The target checkpoint at `path` with decoder layers [first, end) only (`strip_to_stage`): the
+    model is built without weights, the layers of other stages are dropped before loading, so their
+    weights (and the LM head's) are never read. transformers' own loader reads the rest, shards and
+    weight conversions (fused MoE experts) included."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = _untied(AutoConfig.from_pretrained(path))
+    base = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    text = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text is not None and getattr(base, "config_class", None) is text:
+        config = config.get_text_config()  # a multimodal checkpoint's decoder class takes the text config (as Auto does)
+
+    class Stage(base):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            strip_to_stage(self, first, end, keep_norm)
+
+    # The loader looks weight conversions up by class name and applies them to library classes only:
+    # the stage passes for the model's own class.
+    Stage.__name__, Stage.__qualname__, Stage.__module__ = base.__name__, base.__qualname__, base.__module__
+    return Stage.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
+
+
+def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str,
+                  first: int = 0, end: int | None = None, keep_norm: bool = True) -> nn.Module:
+    """The model of a random-weight target, layers [first, end) only, initialised on `device` (8B:
+    seconds on a GPU, where a CPU init takes minutes), seeded without touching the caller's RNG.
+
+    Layer i is drawn from seed + 1 + i alone, so every split into stages holds the very same layers;
+    the embedding is the one `load_target_head` gives drafter ranks. The other layers are never built:
+    the shell (embedding, norm, rotary tables) is a one-layer model of the same config."""
+    import copy
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path).get_text_config()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+    config = _untied(AutoConfig.from_pretrained(path).get_text_config())
+    n = config.num_hidden_layers
+    end = n if end is None else end
+    types = list(getattr(config, "layer_types", None) or [])
+    shell = copy.deepcopy(config)
+    shell.num_hidden_layers = 1
+    if types:
+        shell.layer_types = types[:1]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    embed, _ = random_target_head(config.to_dict(), seed, device, dtype, with_head=False)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(embed)
+        model = AutoModelForCausalLM.from_config(shell, dtype=dtype, attn_implementation=attn)
+    model.config.num_hidden_layers = n
+    if types:
+        model.config.layer_types = types
+    decoder = model.get_decoder()
+    layer_cls = type(decoder.layers[0])
+    layers = []
+    for i in range(n):
+        if not first <= i < end:
+            layers.append(Elsewhere(types[i] if types else None))
+            continue
+        with torch.random.fork_rng(devices=devices), torch.device(device), torch.no_grad():
+            torch.manual_seed(seed + 1 + i)
+            layer = layer_cls(model.config, i)
+            for m in layer.modules():  # the model's own init (torch's leaves some tensors empty)
+                model._init_weights(m)
+        layers.append(layer.to(dtype))
+    decoder.layers = nn.ModuleList(layers)
+    if first == 0:
+        embed, _ = random_target_head(config.to_dict(), seed, device, dtype, with_head=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(embed)
+    strip_to_stage(model, first, end, keep_norm)
     return model
 
 

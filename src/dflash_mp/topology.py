@@ -49,8 +49,11 @@ class Topology:
     ranks_per_node: int
     target_ranks: tuple[int, ...]
     drafter_ranks: tuple[int, ...]
-    feeds: dict[int, tuple[int, ...]]  # target rank -> drafter ranks it sends to (sorted)
+    feeds: dict[int, tuple[int, ...]]  # feeding target rank (a replica's last stage) -> drafter ranks (sorted)
     sources: dict[int, tuple[int, ...]]  # drafter rank -> target ranks it receives from (sorted)
+    # Target replicas, each its ranks in stage order (one rank each with target.stages=1). Empty: one
+    # replica per target rank (Topology built by hand).
+    replicas: tuple[tuple[int, ...], ...] = ()
     target_group: object = field(default=None, repr=False)
     drafter_group: object = field(default=None, repr=False)
     control_group: object = field(default=None, repr=False)  # gloo, whole world: metadata, liveness
@@ -59,12 +62,17 @@ class Topology:
     gpus_per_node: int = 0  # 0: CPU ranks; else rank r runs on GPU (r % ranks_per_node) % gpus_per_node
     backends: dict = field(default_factory=dict)  # group name -> backend it was built with
 
+    def __post_init__(self):
+        if not self.replicas:
+            self.replicas = tuple((t,) for t in self.target_ranks)
+
     # ---------------------------------------------------------------- planning (pure)
     @classmethod
     def plan(cls, num_target_ranks: int, rank: int, world_size: int, ranks_per_node: int | None = None,
-             allow_no_target: bool = False):
+             allow_no_target: bool = False, stages: int = 1):
         """`allow_no_target`: a drafter-only job (every rank trains, batches come from files) may set
-        num_target_ranks=0; then even one process is a valid job."""
+        num_target_ranks=0; then even one process is a valid job. `stages`: ranks per target replica
+        (`target.stages`); a replica's ranks are consecutive and on one node, its last stage feeds drafters."""
         if allow_no_target and num_target_ranks == 0:
             return cls._drafters_only(rank, world_size, ranks_per_node)
         if world_size < 2:
@@ -83,21 +91,37 @@ class Topology:
         if world_size % rpn:
             raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={rpn}.")
         num_nodes = world_size // rpn
-        # Spread targets evenly over nodes (first ranks of each node) so pairs stay node-local.
-        per_node = [num_target_ranks // num_nodes + (n < num_target_ranks % num_nodes) for n in range(num_nodes)]
-        targets, drafters = [], []
+        if stages < 1:
+            raise ValueError(f"target.stages={stages}: use 1 (the whole target on one rank) or more.")
+        if num_target_ranks % stages:
+            raise ValueError(
+                f"topology.num_target_ranks={num_target_ranks} is not a multiple of target.stages={stages}: each "
+                f"target replica is {stages} ranks; use num_target_ranks={stages * max(1, num_target_ranks // stages)} "
+                f"(or another multiple of {stages}).")
+        num_replicas = num_target_ranks // stages
+        # Spread replicas evenly over nodes (first ranks of each node) so pairs and stages stay node-local.
+        reps = [num_replicas // num_nodes + (n < num_replicas % num_nodes) for n in range(num_nodes)]
+        if max(reps) * stages > rpn:
+            raise ValueError(
+                f"target.stages={stages} with topology.num_target_ranks={num_target_ranks}: node(s) of "
+                f"{rpn} ranks would hold {max(reps)} replica(s) of {stages} stages, and a replica's stages must "
+                f"share one node; use fewer target ranks, fewer stages, or more ranks per node.")
+        per_node = [k * stages for k in reps]
+        targets, drafters, replicas = [], [], []
         for node, k in enumerate(per_node):
             node_ranks = list(range(node * rpn, (node + 1) * rpn))
             targets += node_ranks[:k]
             drafters += node_ranks[k:]
+            replicas += [tuple(node_ranks[i:i + stages]) for i in range(0, k, stages)]
+        feeders = [rep[-1] for rep in replicas]
         node_local = all(0 < k < rpn for k in per_node)
         feeds: dict[int, list[int]] = {}
         if node_local:
             for node in range(num_nodes):
                 lo, hi = node * rpn, (node + 1) * rpn
-                feeds.update(_pair([t for t in targets if lo <= t < hi], [d for d in drafters if lo <= d < hi]))
+                feeds.update(_pair([t for t in feeders if lo <= t < hi], [d for d in drafters if lo <= d < hi]))
         else:
-            feeds = _pair(targets, drafters)
+            feeds = _pair(feeders, drafters)
         sources: dict[int, list[int]] = {d: [] for d in drafters}
         for t, ds in feeds.items():
             for d in ds:
@@ -110,6 +134,7 @@ class Topology:
             drafter_ranks=tuple(drafters),
             feeds={t: tuple(sorted(ds)) for t, ds in feeds.items()},
             sources={d: tuple(sorted(ts)) for d, ts in sources.items()},
+            replicas=tuple(replicas),
         )
 
     @classmethod
@@ -214,6 +239,49 @@ class Topology:
     def role_group(self):
         return self.target_group if self.role == TARGET else self.drafter_group
 
+    # ---------------------------------------------------------------- stages of a target replica
+    @property
+    def stages(self) -> int:
+        return len(self.replicas[0]) if self.replicas else 1
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def replica_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks of `rank`'s target replica, in stage order."""
+        for rep in self.replicas:
+            if rank in rep:
+                return rep
+        raise ValueError(f"rank {rank} is not a target rank (targets: {list(self.target_ranks)})")
+
+    def replica_index(self, rank: int) -> int:
+        """Which replica `rank` belongs to: its data shard."""
+        return self.replicas.index(self.replica_of(rank))
+
+    def stage_of(self, rank: int) -> int:
+        return self.replica_of(rank).index(rank)
+
+    def feeder_of(self, rank: int) -> int:
+        """The last stage of `rank`'s replica: the rank that sends its batches to drafters."""
+        return self.replica_of(rank)[-1]
+
+    def prev_stage(self, rank: int) -> int | None:
+        rep = self.replica_of(rank)
+        i = rep.index(rank)
+        return rep[i - 1] if i else None
+
+    def next_stage(self, rank: int) -> int | None:
+        rep = self.replica_of(rank)
+        i = rep.index(rank)
+        return rep[i + 1] if i + 1 < len(rep) else None
+
+    @property
+    def stage_links(self) -> list[tuple[int, int, int]]:
+        """(producer, consumer, boundary) for every stage boundary of every replica: boundary s joins
+        stage s to stage s + 1."""
+        return [(rep[s], rep[s + 1], s) for rep in self.replicas for s in range(len(rep) - 1)]
+
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
@@ -229,11 +297,14 @@ class Topology:
         return src[step % len(src)]
 
     def sends_at_step(self, target: int, step: int) -> list[int]:
-        """Drafter ranks that `target` sends one batch to for drafter step `step`, in send order."""
+        """Drafter ranks that `target`'s replica sends one batch to for drafter step `step`, in send
+        order (every stage of a replica forwards the same batches, in this order)."""
+        target = self.feeder_of(target)
         return [d for d in self.feeds[target] if self.source_for_step(d, step) == target]
 
     def num_sends(self, target: int, num_steps: int) -> int:
-        """Batches `target` produces for drafter steps [0, num_steps)."""
+        """Batches `target`'s replica produces for drafter steps [0, num_steps)."""
+        target = self.feeder_of(target)
         total = 0
         for d in self.feeds[target]:
             src = self.sources[d]
@@ -243,6 +314,9 @@ class Topology:
 
     def describe(self) -> str:
         pairs = ", ".join(f"{t}->{list(ds)}" for t, ds in sorted(self.feeds.items()))
+        if self.stages > 1:
+            reps = ", ".join("->".join(map(str, rep)) for rep in self.replicas)
+            pairs = f"{self.num_replicas} replica(s) x {self.stages} stages: {reps}; " + pairs
         groups = ", ".join(f"{k} {v}" for k, v in self.backends.items() if not k.startswith("pair"))
         return (
             f"world={self.world_size} targets={list(self.target_ranks)} drafters={list(self.drafter_ranks)} "
@@ -250,5 +324,7 @@ class Topology:
         )
 
     def name(self, rank: int) -> str:
-        """How messages name a rank: "target rank 0", "drafter rank 3"."""
+        """How messages name a rank: "target rank 0", "drafter rank 3", "target rank 1 (stage 1 of 2)"."""
+        if rank in self.target_ranks and self.stages > 1:
+            return f"{TARGET} rank {rank} (stage {self.stage_of(rank)} of {self.stages})"
         return f"{TARGET if rank in self.target_ranks else DRAFTER} rank {rank}"

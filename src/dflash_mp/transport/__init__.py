@@ -23,7 +23,7 @@ from dflash_mp.transport.shm import open_shm_channels, sweep_stale_segments
 
 __all__ = [
     "TransportConfig", "SlotSpec", "Sender", "Receiver", "BaseReceiver",
-    "build_transport", "pair_kinds", "p2p_pairs", "sweep_stale_segments",
+    "build_transport", "link_kinds", "pair_kinds", "p2p_pairs", "sweep_stale_segments",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,33 @@ def pair_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int]
     return kinds
 
 
+def link_kinds(cfg: TransportConfig, topology: Topology) -> dict[tuple[int, int], str]:
+    """(stage s rank, stage s+1 rank) -> "shm" | "p2p" for every stage boundary of a staged target;
+    chosen as for target->drafter pairs (a replica's stages always share a node)."""
+    kinds = {}
+    for t, u, _ in topology.stage_links:
+        if cfg.kind == "p2p" and topology.gpus_per_node and topology.shares_gpu((t, u)):
+            raise ValueError(
+                f"transport.kind=p2p, but target stages {t} and {u} share GPU {topology.gpu_of(t)[1]}: NCCL "
+                "cannot connect two ranks on one device; use transport.kind=auto or shm")
+        kinds[(t, u)] = "p2p" if cfg.kind == "p2p" or not topology.same_node(t, u) else "shm"
+    return kinds
+
+
 def p2p_pairs(cfg: TransportConfig, topology: Topology) -> list[tuple[int, int]]:
-    """The pairs that talk point-to-point: `Topology.init_groups` gives each a group."""
-    return [p for p, k in sorted(pair_kinds(cfg, topology).items()) if k == "p2p"]
+    """The pairs that talk point-to-point (target->drafter pairs and stage links): `Topology.init_groups`
+    gives each a group."""
+    kinds = {**pair_kinds(cfg, topology), **link_kinds(cfg, topology)}
+    return [p for p, k in sorted(kinds.items()) if k == "p2p"]
 
 
-def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, live=None) -> Sender | BaseReceiver:
+def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, live=None,
+                    link_spec=None) -> Sender | BaseReceiver:
     """This rank's end of the transport: a Sender on target ranks, a Receiver on drafter ranks.
+
+    Staged targets (`topology.stages > 1`): `link_spec(boundary)` is the SlotSpec of the messages from
+    stage `boundary` to the next; a non-last stage's Sender sends to its next stage, and a Sender of
+    a stage after the first carries `upstream`, the Receiver of its previous stage's messages.
 
     Collective: call it on every rank at the same point, after `topology.init_groups()` (shm setup
     talks over `topology.control_group`) and, on CUDA, after `torch.cuda.set_device`. `live`: the
@@ -94,6 +114,7 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, li
     mine = [f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()) if me in (t, d)]
     log.info("transport on rank %d (node %d): %s", me, topology.node_of(me), ", ".join(mine))
     channels: dict = {}
+    upstream: dict = {}
     try:
         shm_pairs = [p for p, k in kinds.items() if k == "shm"]
         if shm_pairs:
@@ -108,8 +129,39 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, li
                 channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s, group, live)
             elif me == d:
                 channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s, group, live)
+        _open_stage_links(cfg, topology, link_spec, live, channels, upstream)
     except BaseException:
-        for ch in channels.values():
+        for ch in [*channels.values(), *upstream.values()]:
             ch.close()
         raise
-    return Sender(channels) if topology.role == TARGET else Receiver(channels)
+    if topology.role != TARGET:
+        return Receiver(channels)
+    sender = Sender(channels)
+    sender.upstream = Receiver(upstream) if upstream else None
+    return sender
+
+
+def _open_stage_links(cfg: TransportConfig, topology: Topology, link_spec, live, channels: dict,
+                      upstream: dict) -> None:
+    """Open this rank's stage-link channels: the one to its next stage into `channels`, the one from
+    its previous stage into `upstream` (both keyed by peer rank). Collective like build_transport:
+    every rank takes part in setting up each boundary's shm rings."""
+    if topology.stages < 2:
+        return
+    kinds, me = link_kinds(cfg, topology), topology.rank
+    names = {r: topology.name(r) for r in range(topology.world_size)}
+    for boundary in range(topology.stages - 1):
+        spec = link_spec(boundary)
+        links = [(t, u) for t, u, b in topology.stage_links if b == boundary]
+        shm_links = [p for p in links if kinds[p] == "shm"]
+        if shm_links:
+            opened = open_shm_channels(topology, spec, cfg.depth, cfg.timeout_s, shm_links, cfg.shm_cuda, names)
+            for peer, ch in opened.items():
+                ch.ring.live, ch.ring.peer_rank = live, peer
+                (channels if peer == topology.next_stage(me) else upstream)[peer] = ch
+        for t, u in (p for p in links if kinds[p] == "p2p"):
+            group = topology.pair_groups.get((t, u))
+            if me == t:
+                channels[u] = P2PSendChannel(me, u, spec, cfg.depth, cfg.timeout_s, group, live, names)
+            elif me == u:
+                upstream[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s, group, live, names)

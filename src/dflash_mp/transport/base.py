@@ -132,14 +132,21 @@ def new_slots(spec: SlotSpec, depth: int) -> list[Slot]:
     return carve_slots(buf, spec, depth)
 
 
-def no_data_msg(me: int, src: int, timeout_s: float, seq: int) -> str:
-    return f"no data from target rank {src} for {timeout_s:.0f} s (drafter rank {me} waiting for batch {seq})"
+def rank_names(names: dict | None, producer: int, consumer: int) -> tuple[str, str]:
+    """How a channel's messages name its two ends: from `names` (Topology.name of every rank: a staged
+    target's consumer is a target stage), else "target rank P" and "drafter rank C"."""
+    names = names or {}
+    return names.get(producer, f"target rank {producer}"), names.get(consumer, f"drafter rank {consumer}")
 
 
-def no_credit_msg(me: int, dst: int, timeout_s: float, seq: int, depth: int) -> str:
+def no_data_msg(consumer: str, producer: str, timeout_s: float, seq: int) -> str:
+    return f"no data from {producer} for {timeout_s:.0f} s ({consumer} waiting for batch {seq})"
+
+
+def no_credit_msg(producer: str, consumer: str, timeout_s: float, seq: int, depth: int) -> str:
     return (
-        f"no credit from drafter rank {dst} for {timeout_s:.0f} s (target rank {me} waiting to send batch "
-        f"{seq}; the drafter has not taken batch {seq - depth + 1} yet)"
+        f"no credit from {consumer} for {timeout_s:.0f} s ({producer} waiting to send batch "
+        f"{seq}; its peer has not taken batch {seq - depth + 1} yet)"
     )
 
 
@@ -189,6 +196,8 @@ class SendChannel:
     peer: int
     stall_s: float = 0.0  # host time blocked waiting for credit, accumulated
     bytes_sent: int = 0
+    me_name: str = ""  # "target rank 0"; rank_names()
+    peer_name: str = ""  # "drafter rank 2", or the next stage of a staged target
 
     def send(self, batch: HiddenBatch) -> None: ...
     def send_end(self) -> None: ...  # the end-of-data message, in order after the last batch
@@ -211,10 +220,12 @@ class RecvChannel:
     peer: int
     wait_s: float = 0.0  # host time blocked waiting for data, accumulated
     bytes_received: int = 0
+    me_name: str = ""  # "drafter rank 2", or a target stage after the first; rank_names()
+    peer_name: str = ""  # "target rank 0"
 
     def recv(self) -> HiddenBatch:
         if self._ended:
-            raise RuntimeError(f"drafter rank {self.rank}: recv() from target rank {self.peer} after its end")
+            raise RuntimeError(f"{self.me_name}: recv() from {self.peer_name} after its end")
         seq = self._next
         slot = self._take(seq)
         self._next = seq + 1
@@ -227,7 +238,7 @@ class RecvChannel:
 
     def _check_header(self, seq: int, slot: Slot, expect_end: bool) -> list[int]:
         header = self._header(seq, slot).tolist()
-        err = header_error(f"target rank {self.peer}", f"drafter rank {self.rank}", header, seq, expect_end)
+        err = header_error(self.peer_name, self.me_name, header, seq, expect_end)
         if err:
             raise RuntimeError(err)
         return header
@@ -247,7 +258,7 @@ class RecvChannel:
     def verify(self) -> None:
         if self._bad is not None and bool(self._bad):
             raise RuntimeError(
-                f"drafter rank {self.rank}: a message from target rank {self.peer} had a bad header "
+                f"{self.me_name}: a message from {self.peer_name} had a bad header "
                 "(corrupt, out of order, or an unexpected end-of-data)"
             )
 
@@ -303,8 +314,17 @@ class _Endpoint:
 class Sender(_Endpoint):
     """Target side: `send(dst, batch)` per batch, `finish()` once, `close()` always."""
 
+    upstream: "Receiver | None" = None  # a staged target's previous stage (transport.build_transport)
+
     def __init__(self, channels: dict[int, SendChannel]):
         super().__init__(channels, "target")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.upstream is not None:
+                self.upstream.close()
 
     def send(self, dst: int, batch: HiddenBatch) -> None:
         """Asynchronous; blocks only while `dst` has no free credit (counted in `stall_ms`)."""

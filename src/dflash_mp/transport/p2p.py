@@ -57,6 +57,7 @@ from dflash_mp.transport.base import (
     no_credit_msg,
     no_data_msg,
     pack_meta,
+    rank_names,
 )
 
 TAG_DATA, TAG_ACK = 11, 13
@@ -103,8 +104,9 @@ def wait_works(works: list, device: torch.device, timeout_s: float, on_timeout: 
 
 class P2PSendChannel(SendChannel):
     def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float, group=None,
-                 live=None):
+                 live=None, names: dict | None = None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.me_name, self.peer_name = rank_names(names, rank, peer)
         self.group, self.live = group, live
         dev = spec.device
         # One staging slot per credit: message j reuses slot j % depth only after ack j-depth.
@@ -118,11 +120,11 @@ class P2PSendChannel(SendChannel):
         self._end_seq: int | None = None
 
     def _wait(self, works: list, seq: int, waiting_for: str) -> float:
-        msg = no_credit_msg(self.rank, self.peer, self.timeout_s, seq, self.depth)
+        msg = no_credit_msg(self.me_name, self.peer_name, self.timeout_s, seq, self.depth)
         with watching(self.live, self.peer, f"{waiting_for} of batch {seq}", msg):
             return wait_works(
                 works, self.spec.device, self.timeout_s, msg,
-                f"target rank {self.rank}: p2p with drafter rank {self.peer} failed ({waiting_for}, seq {seq})",
+                f"{self.me_name}: p2p with {self.peer_name} failed ({waiting_for}, seq {seq})",
                 watched=self.live is not None,
             )
 
@@ -136,7 +138,7 @@ class P2PSendChannel(SendChannel):
         if self._bad is None:
             if int(self._ack) != k:
                 got = int(self._ack)
-                who = f"target rank {self.rank}: drafter rank {self.peer}"
+                who = f"{self.me_name}: {self.peer_name}"
                 raise RuntimeError(f"{who} acked batch {got}, expected {k}")
         else:
             self._bad |= self._ack[0] != k
@@ -157,7 +159,7 @@ class P2PSendChannel(SendChannel):
 
     def send(self, batch: HiddenBatch) -> None:
         if self._end_seq is not None:
-            raise RuntimeError(f"target rank {self.rank}: send() to drafter rank {self.peer} after finish()")
+            raise RuntimeError(f"{self.me_name}: send() to {self.peer_name} after finish()")
         check_batch(self.spec, batch)
         self._isend(batch, flags=0)
         self.bytes_sent += self.spec.message_bytes
@@ -181,7 +183,7 @@ class P2PSendChannel(SendChannel):
 
     def verify(self) -> None:
         if self._bad is not None and bool(self._bad):
-            raise RuntimeError(f"target rank {self.rank}: drafter rank {self.peer} sent credits out of order")
+            raise RuntimeError(f"{self.me_name}: {self.peer_name} sent credits out of order")
 
     def close(self) -> None:
         # Operations still in flight after an error cannot be cancelled; dropping our references is
@@ -192,8 +194,9 @@ class P2PSendChannel(SendChannel):
 
 class P2PRecvChannel(RecvChannel):
     def __init__(self, rank: int, peer: int, spec: SlotSpec, depth: int, timeout_s: float, group=None,
-                 live=None):
+                 live=None, names: dict | None = None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.peer_name, self.me_name = rank_names(names, peer, rank)
         self.group, self.live = group, live
         dev = spec.device
         self._slots = new_slots(spec, depth)
@@ -222,11 +225,11 @@ class P2PRecvChannel(RecvChannel):
         return self._slots[seq % self.depth]
 
     def _wait(self, seq: int) -> float:
-        msg = no_data_msg(self.rank, self.peer, self.timeout_s, seq)
+        msg = no_data_msg(self.me_name, self.peer_name, self.timeout_s, seq)
         with watching(self.live, self.peer, f"batch {seq}", msg):
             return wait_works(
                 self._works.pop(seq), self.spec.device, self.timeout_s, msg,
-                f"drafter rank {self.rank}: p2p with target rank {self.peer} failed (batch seq {seq})",
+                f"{self.me_name}: p2p with {self.peer_name} failed (batch seq {seq})",
                 watched=self.live is not None,
             )
 

@@ -67,6 +67,7 @@ from dflash_mp.transport.base import (
     no_credit_msg,
     no_data_msg,
     pack_meta,
+    rank_names,
 )
 
 PREFIX = "dflash_"
@@ -267,6 +268,7 @@ class ShmSendChannel(SendChannel):
     def __init__(self, rank, peer, spec: SlotSpec, depth, timeout_s, ring: _Ring, mode: str, slots, *,
                  host_data=None, written=None, copied=None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.me_name, self.peer_name = ring.me, ring.peer
         self.ring, self.mode, self._slots = ring, mode, slots
         self._host_data = host_data  # pinned: the registered region, unregistered on close
         self._written, self._copied = written, copied  # ipc: interprocess events per slot
@@ -287,7 +289,7 @@ class ShmSendChannel(SendChannel):
     def _write(self, batch: HiddenBatch | None, flags: int) -> None:
         seq, i, w = self._next, self._next % self.depth, self.ring.w
         self._publish_ready()  # before blocking on credit: the drafter may be waiting for these
-        msg = no_credit_msg(self.rank, self.peer, self.timeout_s, seq, self.depth)
+        msg = no_credit_msg(self.me_name, self.peer_name, self.timeout_s, seq, self.depth)
         self.stall_s += self.ring.wait(lambda: seq - w[W_TAIL] < self.depth, msg, f"credit for batch {seq}")
         slot = self._slots[i]
         if self.mode == "pinned":
@@ -320,7 +322,7 @@ class ShmSendChannel(SendChannel):
     def drain(self) -> None:
         self._publish_ready()
         end = self._next
-        who = f"target rank {self.rank}: drafter rank {self.peer}"
+        who = f"{self.me_name}: {self.peer_name}"
         msg = f"{who} did not take end-of-data in {self.timeout_s:.0f} s"
         self.ring.wait(lambda: self.ring.w[W_TAIL] >= end, msg, "end-of-data to be taken")
         self._drained = True
@@ -347,6 +349,7 @@ class ShmRecvChannel(RecvChannel):
     def __init__(self, rank, peer, spec: SlotSpec, depth, timeout_s, ring: _Ring, mode: str, remote, *,
                  host_data=None, written=None, copied=None, remote_device=None):
         self.rank, self.peer, self.spec, self.depth, self.timeout_s = rank, peer, spec, depth, timeout_s
+        self.me_name, self.peer_name = ring.me, ring.peer
         self.ring, self.mode, self._remote = ring, mode, remote  # remote: the producer-written slots
         self._host_data, self._written, self._copied = host_data, written, copied
         self._remote_device = remote_device
@@ -371,7 +374,7 @@ class ShmRecvChannel(RecvChannel):
     def _take(self, seq: int) -> Slot:
         if seq >= 1:
             self._release(seq)
-        msg = no_data_msg(self.rank, self.peer, self.timeout_s, seq)
+        msg = no_data_msg(self.me_name, self.peer_name, self.timeout_s, seq)
         self.wait_s += self.ring.wait(lambda: self.ring.w[W_HEAD] > seq, msg, f"batch {seq}")
         i = seq % self.depth
         src, dst = self._remote[i], self._local[i]
@@ -457,9 +460,11 @@ def pair_mode(producer_dev: torch.device, consumer_dev: torch.device, shm_cuda: 
     return "ipc" if peer_ok else "pinned"
 
 
-def open_shm_channels(topology, spec: SlotSpec, depth: int, timeout_s: float, pairs, shm_cuda="auto") -> dict:
+def open_shm_channels(topology, spec: SlotSpec, depth: int, timeout_s: float, pairs, shm_cuda="auto",
+                      names: dict | None = None) -> dict:
     """Build this rank's shm channels, keyed by peer rank. Collective over `topology.control_group`:
-    every rank calls it, with the same `pairs` (every shm (target, drafter) pair of the run)."""
+    every rank calls it, with the same `pairs` (every shm (producer, consumer) pair of one message
+    shape: the target->drafter pairs, or one stage boundary). `names`: rank -> how messages name it."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     me, group, dev = topology.rank, topology.control_group, _full_device(spec.device)
@@ -521,8 +526,8 @@ def open_shm_channels(topology, spec: SlotSpec, depth: int, timeout_s: float, pa
                 if st["mode"] == "pinned":
                     _host_register(st["buf"])
                     st["registered"] = True
-            names = (f"target rank {t}", f"drafter rank {d}")
-            me_desc, peer_desc = names if st["producer"] else names[::-1]
+            ends = rank_names(names, t, d)
+            me_desc, peer_desc = ends if st["producer"] else ends[::-1]
             peer_pid = infos[st["peer"]]["pid"]
             st["ring"] = _Ring(st["shm"], st["producer"], me_desc, peer_desc, peer_pid, timeout_s)
         return True
