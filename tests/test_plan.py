@@ -139,3 +139,102 @@ def test_measure_runs_on_this_device():
 def test_layout_properties():
     lay = Layout(3, 4, 1, 0.4, 35.0)
     assert lay.num_processes == 9 and lay.num_target_ranks == 4 and "1 shared (40% target)" in lay.describe()
+
+
+# ------------------------------------------------------------------------- staged targets (target.stages)
+def test_staged_splits_count_whole_replicas_at_the_stage_balance():
+    # Replicas of 2 GPUs, each 2 * 10.4 * 0.9 samples/s: only even target counts exist.
+    w = by_split(whole_splits(8, T, D, stages=2, balance=0.9))
+    assert sorted(w) == [(2, 6, 0), (4, 4, 0), (6, 2, 0)]
+    assert w[(2, 6, 0)].samples_per_s == pytest.approx(2 * 10.4 * 0.9)  # one replica limits
+    assert w[(4, 4, 0)].samples_per_s == pytest.approx(31.2)  # drafters limit: 4 * 7.8
+    assert w[(6, 2, 0)].samples_per_s == pytest.approx(15.6)
+    assert [lay.num_replicas for lay in whole_splits(8, T, D, stages=2)] == [1, 2, 3]
+    assert best_whole_split(8, T, D, stages=2, balance=0.9) == 4
+
+
+def test_stage_balance_moves_the_best_split():
+    # t = 4, d = 6: balanced replicas (8 samples/s each) need 2 of them for 4 drafters (16 vs 24);
+    # at balance 0.5 a replica gives 4 samples/s and three of them (12) match 2 drafters (12).
+    assert best_whole_split(8, 4.0, 6.0, stages=2, balance=1.0) == 4
+    assert best_whole_split(8, 4.0, 6.0, stages=2, balance=0.5) == 6
+    best = plan_layouts(8, 4.0, 6.0, stages=2, balance=0.5)[0]
+    assert (best.target_gpus, best.num_replicas, best.samples_per_s) == (6, 3, pytest.approx(12.0))
+
+
+def test_staged_plans_consider_only_whole_splits_of_whole_replicas():
+    layouts = plan_layouts(8, T, D, stages=4, balance=0.95)
+    assert [(x.target_gpus, x.drafter_gpus, x.shared_gpus, x.stages) for x in layouts] == [(4, 4, 4 - 4, 4)]
+    layouts = plan_layouts(12, T, D, stages=3)
+    assert {x.target_gpus for x in layouts} == {3, 6, 9} and not any(x.shared_gpus for x in layouts)
+    assert Layout(4, 4, 0, 0.0, 31.2, 2).describe() == "2 target replicas x 2 stages (4 GPUs) + 4 drafter GPUs"
+    assert Layout(4, 4, 0, 0.0, 31.2, 4).describe() == "1 target replica x 4 stages (4 GPUs) + 4 drafter GPUs"
+
+
+@pytest.mark.parametrize("world,stages", [(4, 4), (2, 2), (3, 3), (5, 8)])
+def test_staged_plan_without_room_for_a_replica_and_a_drafter_names_the_fix(world, stages):
+    fix = rf"world_size={world}.*target.stages={stages}.*at least {stages + 1} GPUs, or fewer target.stages"
+    with pytest.raises(ValueError, match=fix):
+        plan_layouts(world, T, D, stages=stages)
+    with pytest.raises(ValueError, match=fix):
+        best_whole_split(world, T, D, stages=stages)
+
+
+def test_staged_report_names_replicas_and_a_multiple_of_the_stages():
+    layouts = plan_layouts(8, T, D, stages=2, balance=0.9)
+    text = format_report(8, T, D, layouts, 3072, stages=2, balance=0.9)
+    assert "per target replica of 2 stages: 18.72 samples/s (stage balance 0.90)" in text
+    assert "2 target replicas x 2 stages (4 GPUs) + 4 drafter GPUs  <- best" in text
+    assert "1 target replica x 2 stages (2 GPUs) + 6 drafter GPUs" in text
+    assert "recommended whole-GPU split: topology.num_target_ranks=4 target.stages=2 (2 replica(s);" in text
+    assert "shares" not in text
+
+
+def test_num_target_ranks_auto_counts_replicas_of_the_staged_target():
+    from dflash_mp.plan import stage_balance, target_config_for
+
+    job = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=2"])
+    tcfg = target_config_for(job)
+    balance = stage_balance(job, tcfg)
+    assert 0.9 < balance <= 1.0
+    t, d = _rates(job)
+    n = resolve_num_target_ranks(job, 8)
+    assert n % 2 == 0 and n == best_whole_split(8, t, d, 2, balance)
+    # Unstaged, the same rates pick an odd count: the staged answer is not the one-GPU answer rounded.
+    assert best_whole_split(8, t, d) % 2 == 1
+    # The planner counts a replica at its stage balance: 34 layers in 3 stages of 12, 11, 11.
+    job3 = compose(["experiment=qwen3_8b", "target.stages=3"])
+    assert stage_balance(job3, tcfg) == pytest.approx(34 / 3 / 12)
+    job4 = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=4"])
+    assert resolve_num_target_ranks(job4, 8) == 4
+    with pytest.raises(ValueError, match="at least 5 GPUs, or fewer target.stages"):
+        resolve_num_target_ranks(job4, 4)
+
+
+def test_num_target_ranks_auto_weighs_replicas_by_their_stage_balance(monkeypatch):
+    import dflash_mp.plan as plan
+
+    job = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=2"])
+    t, d = _rates(job)
+    assert best_whole_split(8, t, d, 2, 1.0) != best_whole_split(8, t, d, 2, 0.1)
+    monkeypatch.setattr(plan, "stage_balance", lambda job, tcfg: 0.1)  # a badly balanced split
+    assert resolve_num_target_ranks(job, 8) == best_whole_split(8, t, d, 2, 0.1)
+
+
+def test_cli_prints_replicas_of_a_staged_target(capsys):
+    from dflash_mp.plan import main
+
+    # Llama-3.3-70B over 2 stages: 1.431 samples/s per GPU for the whole truncated target, 3.377 for
+    # the drafter; a balanced replica of 2 GPUs gives 2.862: 3 replicas (8.59) are held to what 2
+    # drafters take (6.75), still more than 2 replicas (5.72) feeding 4 drafters.
+    main(["experiment=llama3_3_70b", "world_size=8", "peak_tflops=790", "target_mfu=0.75", "drafter_mfu=0.7"])
+    out = capsys.readouterr().out
+    assert "target.stages=2: stage 0: layers 0-38 (50% of the FLOPs, captures [1, 20])" in out
+    assert "per target replica of 2 stages: 2.862 samples/s (stage balance 1.00)" in out
+    layouts = [ln.strip() for ln in out.splitlines() if "drafter GPUs" in ln]
+    assert layouts == ["6.753  3 target replicas x 2 stages (6 GPUs) + 2 drafter GPUs  <- best",
+                       "5.724  2 target replicas x 2 stages (4 GPUs) + 4 drafter GPUs",
+                       "2.862  1 target replica x 2 stages (2 GPUs) + 6 drafter GPUs"]
+    assert "recommended whole-GPU split: topology.num_target_ranks=6 target.stages=2 (3 replica(s);" in out
+    with pytest.raises(ValueError, match="world_size=4 .*target.stages=4.*at least 5 GPUs, or fewer target.stages"):
+        main(["target=qwen3_8b", "drafter=qwen3_8b", "target.stages=4", "world_size=4"])

@@ -20,6 +20,22 @@ TARGET_ARCHS: dict[str, dict] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
         max_position_embeddings=131072, tie_word_embeddings=False, tokenizer_len=128256),
+    # Llama 3.1's shapes at 70B: 140 GB of bf16 weights, more than one GPU holds (target.stages=2).
+    "meta-llama/Llama-3.3-70B-Instruct": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=False, tokenizer_len=128256),
+    # Qwen3-MoE: every layer routes its MLP to 8 of 128 experts (`num_experts`, read by flops.py);
+    # intermediate_size is the dense MLP width the config also carries (no layer of this model uses
+    # it). 470 GB of bf16 weights (target.stages=4).
+    "Qwen/Qwen3-235B-A22B": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, num_hidden_layers=94, num_attention_heads=64,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        tie_word_embeddings=False, tokenizer_len=151669),
     # The text decoder of Qwen3.5-27B (a hybrid of linear-attention and full-attention layers; the
     # full-attention layers' shapes are what the drafter copies). tokenizer_len is approximate: any
     # value below vocab_size leaves the default mask row valid.

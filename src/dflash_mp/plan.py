@@ -9,6 +9,9 @@ rank consumes one per step. Per-GPU rates come from the model FLOPs of `dflash_m
 `W` GPUs into `n` target and `W - n` drafter GPUs delivers `min(n * t, (W - n) * d)` samples/s.
 When the rates do not divide evenly, one GPU shared by a target and a drafter process (over the shm
 ring; its throughput split between them) can close the gap, up to the fluid bound `W*t*d/(t+d)`.
+With `target.stages=S > 1` a target replica spans S GPUs and delivers about `S * t * balance`
+samples/s (`t` the one-GPU rate of the whole truncated target, `balance` the stage plan's mean/max
+stage cost, `stages.plan_stages`): only whole splits into replicas of S GPUs are considered.
 
 Everything above the command line (`run_plan`, `main`) is pure: numbers in, numbers out.
 """
@@ -29,6 +32,7 @@ from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, 
                     target_forward_flops)
 from .model import DFlashDrafter
 from .runtime import resolve
+from .stages import plan_stages
 from .target import (TargetSpec, TargetWorker, capture_layer_ids, load_target_config, mask_token_id, resolve_dtype,
                      truncate)
 from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
@@ -70,6 +74,7 @@ class Layout:
     shared_gpus: int  # GPUs running one target and one drafter process (0, 1, or every GPU)
     target_share: float  # fraction of the shared GPU's time the target gets (0 when none is shared)
     samples_per_s: float  # predicted pipeline throughput: min(produced, consumed)
+    stages: int = 1  # GPUs per target replica (target.stages); target_gpus is a multiple of it
 
     @property
     def num_processes(self) -> int:
@@ -79,7 +84,15 @@ class Layout:
     def num_target_ranks(self) -> int:
         return self.target_gpus + self.shared_gpus
 
+    @property
+    def num_replicas(self) -> int:
+        return self.target_gpus // self.stages
+
     def describe(self) -> str:
+        if self.stages > 1:
+            n = self.num_replicas
+            return (f"{n} target replica{'s' if n > 1 else ''} x {self.stages} stages ({self.target_gpus} GPUs) "
+                    f"+ {self.drafter_gpus} drafter GPUs")
         if self.shared_gpus and not (self.target_gpus or self.drafter_gpus):
             return f"{self.shared_gpus} GPUs each shared by a target and a drafter ({self.target_share:.0%} target)"
         s = f"{self.target_gpus} target + {self.drafter_gpus} drafter GPUs"
@@ -88,9 +101,25 @@ class Layout:
         return s
 
 
-def whole_splits(world: int, t: float, d: float) -> list[Layout]:
-    """Every split of `world` GPUs into n >= 1 target and world - n >= 1 drafter GPUs."""
-    return [Layout(n, world - n, 0, 0.0, min(n * t, (world - n) * d)) for n in range(1, world)]
+def whole_splits(world: int, t: float, d: float, stages: int = 1, balance: float = 1.0) -> list[Layout]:
+    """Every split of `world` GPUs into n >= 1 target and world - n >= 1 drafter GPUs, n a multiple of
+    `stages`: n / stages replicas, each delivering stages * t * balance samples/s."""
+    return [Layout(n, world - n, 0, 0.0, min(n * t * balance, (world - n) * d), stages)
+            for n in range(stages, world, stages)]
+
+
+def _staged_whole_splits(world: int, t: float, d: float, stages: int, balance: float) -> list[Layout]:
+    """`whole_splits`, refusing a world with no room for one replica plus a drafter."""
+    if stages < 1:
+        raise ValueError(f"target.stages={stages}: use 1 (the whole target on one GPU) or more.")
+    if not 0.0 < balance <= 1.0:
+        raise ValueError(f"stage balance {balance} must be in (0, 1] (mean over largest stage cost).")
+    layouts = whole_splits(world, t, d, stages, balance)
+    if not layouts:
+        raise ValueError(
+            f"world_size={world} has no room for one target replica of target.stages={stages} GPUs plus a "
+            f"drafter GPU: use at least {stages + 1} GPUs, or fewer target.stages.")
+    return layouts
 
 
 def shared_splits(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
@@ -121,19 +150,27 @@ def all_shared(world: int, t: float, d: float, efficiency: float = 0.9) -> Layou
     return Layout(0, 0, world, d / (t + d), efficiency * fluid_bound(world, t, d))
 
 
-def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9) -> list[Layout]:
-    """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs)."""
+def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9, stages: int = 1,
+                 balance: float = 1.0) -> list[Layout]:
+    """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs). With
+    `stages` > 1 only whole splits into replicas of `stages` GPUs (no GPU is shared)."""
     if world < 2:
         raise ValueError(f"world_size={world}: a split needs at least 2 GPUs; plan for 2 or more.")
     if t <= 0 or d <= 0:
         raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
-    layouts = whole_splits(world, t, d) + shared_splits(world, t, d, efficiency) + [all_shared(world, t, d, efficiency)]
+    if stages != 1:
+        layouts = _staged_whole_splits(world, t, d, stages, balance)
+    else:
+        layouts = (whole_splits(world, t, d) + shared_splits(world, t, d, efficiency)
+                   + [all_shared(world, t, d, efficiency)])
     return sorted(layouts, key=lambda lay: (-round(lay.samples_per_s, 9), lay.shared_gpus, lay.target_gpus))
 
 
-def best_whole_split(world: int, t: float, d: float) -> int:
-    """num_target_ranks of the best whole-GPU split (what `topology.num_target_ranks=auto` picks)."""
-    return max(whole_splits(world, t, d), key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
+def best_whole_split(world: int, t: float, d: float, stages: int = 1, balance: float = 1.0) -> int:
+    """num_target_ranks of the best whole-GPU split (what `topology.num_target_ranks=auto` picks): a
+    multiple of `stages`."""
+    layouts = _staged_whole_splits(world, t, d, stages, balance)
+    return max(layouts, key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
 
 
 def fluid_bound(world: int, t: float, d: float) -> float:
@@ -164,6 +201,14 @@ def job_workload(job, target_config: dict, doc_len: int = 1024) -> Workload:
                     a.block_size, doc_len)
 
 
+def stage_balance(job, target_config: dict, doc_len: int = 1024) -> float:
+    """Mean over largest stage cost of the job's target split (`stages.plan_stages`); 1.0 unstaged."""
+    if job.target.stages == 1:
+        return 1.0
+    layer_ids, _ = planned_ids(job, target_config)
+    return plan_stages(target_config, layer_ids, job.target.stages, job.data.seq_len, doc_len).balance()
+
+
 def target_config_for(job) -> dict:
     """The target's config.json fields of a resolved job (runtime.resolve): from the table for known
     hub ids, else read (no weights)."""
@@ -176,7 +221,8 @@ TARGET_MFU, DRAFTER_MFU = 0.75, 0.70
 
 
 def resolve_num_target_ranks(job, world_size: int) -> int:
-    """`topology.num_target_ranks`, with "auto" replaced by the best whole-GPU split's target count."""
+    """`topology.num_target_ranks`, with "auto" replaced by the best whole-GPU split's target count
+    (a multiple of `target.stages`: whole replicas)."""
     n = job.topology.num_target_ranks
     if n != "auto":
         if isinstance(n, str):
@@ -184,10 +230,19 @@ def resolve_num_target_ranks(job, world_size: int) -> int:
         return n
     if world_size < 2:
         return 1  # Topology.plan raises with the fix
-    t, d = job_workload(job, target_config_for(job)).rates(job.logging.peak_tflops, TARGET_MFU, DRAFTER_MFU)
-    n = best_whole_split(world_size, t, d)
-    log.info("topology.num_target_ranks=auto -> %d (estimated %.3g target, %.3g drafter samples/s per GPU)",
-             n, t, d)
+    tcfg = target_config_for(job)
+    t, d = job_workload(job, tcfg).rates(job.logging.peak_tflops, TARGET_MFU, DRAFTER_MFU)
+    stages = job.target.stages
+    if stages == 1:
+        n = best_whole_split(world_size, t, d)
+        log.info("topology.num_target_ranks=auto -> %d (estimated %.3g target, %.3g drafter samples/s per GPU)",
+                 n, t, d)
+        return n
+    balance = stage_balance(job, tcfg)
+    n = best_whole_split(world_size, t, d, stages, balance)
+    log.info("topology.num_target_ranks=auto -> %d = %d replica(s) x %d stages (estimated %.3g samples/s per "
+             "replica at stage balance %.2f, %.3g drafter samples/s per GPU)",
+             n, n // stages, stages, stages * t * balance, balance, d)
     return n
 
 
@@ -259,19 +314,27 @@ class PlanConfig:
     measure: bool = False  # time both on the local accelerator instead of estimating from FLOPs
 
 
-def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int) -> str:
+def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int = 1,
+                  balance: float = 1.0) -> str:
     best = layouts[0]
-    whole = best_whole_split(world, t, d)
-    lines = [
-        f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)",
-        f"fluid bound for {world} GPUs: {fluid_bound(world, t, d):.4g} samples/s",
+    whole = best_whole_split(world, t, d, stages, balance)
+    lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
+    if stages > 1:
+        lines.append(f"per target replica of {stages} stages: {stages * t * balance:.4g} samples/s "
+                     f"(stage balance {balance:.2f})")
+    lines += [
+        f"fluid bound for {world} GPUs: {fluid_bound(world, t * balance, d):.4g} samples/s",
         "layouts considered (predicted samples/s):",
     ]
     for lay in layouts:
         mark = "  <- best" if lay is best else ""
         lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
-    lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} "
-                 f"(torchrun --nproc-per-node {world})")
+    if stages > 1:
+        lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} target.stages={stages} "
+                     f"({whole // stages} replica(s); torchrun --nproc-per-node {world})")
+    else:
+        lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} "
+                     f"(torchrun --nproc-per-node {world})")
     if best.shared_gpus > 1:
         lines.append(
             f"best overall shares every GPU: torchrun --nproc-per-node {best.num_processes} ... "
@@ -298,7 +361,15 @@ def run_plan(job, opts: PlanConfig) -> None:
         print(f"estimated from FLOPs at {peak:g} TFLOP/s, MFU target {opts.target_mfu:g} / "
               f"drafter {opts.drafter_mfu:g}")
     world = opts.world_size
-    print(format_report(world, t, d, plan_layouts(world, t, d, opts.shared_efficiency), job.data.seq_len))
+    stages = job.target.stages
+    balance = 1.0
+    if stages > 1:
+        layer_ids, _ = planned_ids(job, tcfg)
+        stage_plan = plan_stages(tcfg, layer_ids, stages, job.data.seq_len, opts.doc_len)
+        balance = stage_plan.balance()
+        print(f"target.stages={stages}: {stage_plan.describe()}")
+    print(format_report(world, t, d, plan_layouts(world, t, d, opts.shared_efficiency, stages, balance),
+                        job.data.seq_len, stages, balance))
 
 
 def main(argv: list[str] | None = None) -> None:
