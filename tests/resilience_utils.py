@@ -57,15 +57,16 @@ def expected_data(overrides: list[str], world: int, num_steps: int) -> dict[int,
     from dflash_mp.data import build_stream
 
     job = compose(overrides)
-    topo = Topology.plan(job.topology.num_target_ranks, 0, world)
+    topo = Topology.plan(job.topology.num_target_ranks, 0, world, stages=job.target.stages)
     res = prepare(job)
     job, tokenizer, tcfg = res.job, res.tokenizer, res.target_config  # the job with real paths
-    streams = {t: iter(build_stream(job.data, tokenizer, i, len(topo.target_ranks), vocab_limit=tcfg["vocab_size"]))
-               for i, t in enumerate(topo.target_ranks)}
+    # One data shard per target replica, sent by its last stage (the replica's only rank with stages=1).
+    streams = {rep[-1]: iter(build_stream(job.data, tokenizer, i, topo.num_replicas, vocab_limit=tcfg["vocab_size"]))
+               for i, rep in enumerate(topo.replicas)}
     out = {}
     for step in range(num_steps):
         row = {"docs": 0.0, "tokens": 0.0, "checksum": 0.0}
-        for t in topo.target_ranks:
+        for t in streams:
             for _ in topo.sends_at_step(t, step):
                 for k, v in batch_tally(next(streams[t])).items():
                     row[k] += v
@@ -96,7 +97,7 @@ def signal_workers(agent_pid: int, sig=signal.SIGTERM) -> list[int]:
 # summary, which repeats the exception text):
 # "[HH:MM:SS D1 ERROR dflash_mp.resilience] drafter rank 1 failed: ..."
 ERROR_RE = re.compile(r"^\[(\d\d):(\d\d):(\d\d) ([TD])(\d+) ERROR dflash_mp\.(?:resilience|liveness)\] "
-                      r"(\w+ rank \d+ failed: .*)$", re.MULTILINE)
+                      r"(\w+ rank \d+(?: \(stage \d+ of \d+\))? failed: .*)$", re.MULTILINE)
 
 
 def rank_error(out: str, text: str) -> tuple[str, float]:

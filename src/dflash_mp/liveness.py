@@ -283,10 +283,25 @@ class Liveness:
                     state = "; ".join(self.describe(r, b) for r, b in live.items() if b["step"] == low)
                     return (f"{self.names.get(self.rank)} waited {w['quiet']:.0f} s for {w['what']}; "
                             f"furthest behind: {state} (transport.timeout_s={self.wait_s:.0f})")
+                head = w["msg"] or f"waited {w['quiet']:.0f} s for {w['what']} from {self.names.get(peer)}"
+                # The peer may itself be waiting (a staged target's later stage waits for the one
+                # before it): follow the waits to the rank that holds everything up, and name it.
+                chain, seen = [], {self.rank}
+                while peer not in seen and (beats.get(peer) or {}).get("wait"):
+                    seen.add(peer)
+                    nxt = beats[peer]["wait"]
+                    if nxt["peer"] < 0 or nxt["peer"] in seen:
+                        break
+                    chain.append(f"{self.names.get(peer)} waits for {nxt['what']} from {self.names.get(nxt['peer'])}")
+                    peer = nxt["peer"]
+                    silent = self._silent_s(peer, beats.get(peer), now)
+                    if silent >= 2 * self.interval_s:
+                        return (f"{head}; {'; '.join(chain)}, which has not beaten for {silent:.0f} s: dead or "
+                                f"frozen: {self.describe(peer, beats[peer])}")
                 pb = beats.get(peer)
                 state = self.describe(peer, pb) if pb else self.names.get(peer, f"rank {peer}")
-                head = w["msg"] or f"waited {w['quiet']:.0f} s for {w['what']} from {self.names.get(peer)}"
-                return f"{head}; it is alive: {state} (transport.timeout_s={self.wait_s:.0f})"
+                via = "".join(f"; {c}" for c in chain)
+                return f"{head}{via}; it is alive: {state} (transport.timeout_s={self.wait_s:.0f})"
         return None
 
     def _silent_s(self, r: int, b: dict | None, now: float) -> float:

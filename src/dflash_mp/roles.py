@@ -223,8 +223,11 @@ class TargetRun(_RoleRun):
         self.sender.finish()
         if end < self.num_steps:
             log.warning("target rank %d stopped at step %d of %d (SIGTERM)", rank, end, self.num_steps)
-        data = self.stream.stats() if self.stream is not None else f"stage {self.stage}, fed by rank {self.prev}"
-        log.info("target rank %d done: steps %d..%d; data: %s", rank, self.start, end, data)
+        if self.stream is None:
+            log.info("target rank %d done: steps %d..%d (stage %d, fed by rank %d)", rank, self.start, end,
+                     self.stage, self.prev)
+            return
+        log.info("target rank %d done: steps %d..%d; data: %s", rank, self.start, end, self.stream.stats())
         log.info("data set: %d rows skipped%s", sum(self.skipped.values()),
                  "".join(f", {k}={v}" for k, v in sorted(self.skipped.items())))
 

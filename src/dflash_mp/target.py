@@ -487,7 +487,7 @@ class TargetWorker:
         alone = torch.cat([self._capture(x, pos, torch.zeros_like(pos), run=self._forward)
                            for x, pos in zip(inputs, positions)])
         # Column blocks of the output: the residual stream (a stage before the last), then its captures.
-        ends = [] if self.last_stage else [self.stage_layers[1] - 1]
+        ends = [] if self.last_stage else [f"residual after layer {self.stage_layers[1] - 1}"]
         blocks = ends + self.layer_ids
         floor = 1e-3 if dtype == torch.float32 else 3e-2
         first = lengths[0]
@@ -503,14 +503,15 @@ class TargetWorker:
             # but only while small: a first document that moves by more than NOISE_CAP sees what
             # follows it, a leak of its own.
             noise = float(rel[:first].max())
-            diffs[layer] = max(float(rel[first:].max()), noise, diffs.get(layer, 0.0))
+            diffs[layer] = max(float(rel[first:].max()), noise)
             tols[layer] = max(floor, 4 * noise) if noise <= NOISE_CAP else floor
         tol = max(tols.values())
         bad = [layer for layer, d in diffs.items() if not d <= tols[layer]]
         if bad:
             layer = bad[0]
+            what = layer if isinstance(layer, str) else f"captured layer {layer}"
             raise ValueError(
-                f"target {type(self.model).__name__}: captured layer {layer} differs by {diffs[layer]:.2e} "
+                f"target {type(self.model).__name__}: {what} differs by {diffs[layer]:.2e} "
                 f"(relative, tolerance {tols[layer]:.2e}) between a packed row of {len(lengths)} documents and each "
                 "document run alone, so some layer sees across document boundaries and the drafter would "
                 "train on leaked features. Use a target whose layers honour the packed-document mask (or "

@@ -80,9 +80,17 @@ class Topology:
                 f"world_size={world_size}: dflash_mp needs at least 2 ranks (one target, one drafter); "
                 "launch with `torchrun --nproc-per-node 2` or more."
             )
+        if stages < 1:
+            raise ValueError(f"target.stages={stages}: use 1 (the whole target on one rank) or more.")
+        if world_size < stages + 1:
+            raise ValueError(
+                f"target.stages={stages} needs at least {stages + 1} ranks (one target replica of {stages} stages "
+                f"and a drafter), but world_size={world_size}: launch more processes or lower target.stages.")
         if not 1 <= num_target_ranks <= world_size - 1:
             hint = (" (0 is legal only for a drafter-only job reading dumped features: transport.kind=files)"
                     if num_target_ranks == 0 else "")
+            if stages > 1:
+                hint += f" and a multiple of target.stages={stages}"
             raise ValueError(
                 f"topology.num_target_ranks={num_target_ranks} is impossible with world_size={world_size}: "
                 f"choose a value from 1 to {world_size - 1} so that both roles have at least one rank{hint}."
@@ -91,8 +99,6 @@ class Topology:
         if world_size % rpn:
             raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={rpn}.")
         num_nodes = world_size // rpn
-        if stages < 1:
-            raise ValueError(f"target.stages={stages}: use 1 (the whole target on one rank) or more.")
         if num_target_ranks % stages:
             raise ValueError(
                 f"topology.num_target_ranks={num_target_ranks} is not a multiple of target.stages={stages}: each "

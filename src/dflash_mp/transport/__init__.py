@@ -111,14 +111,16 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, li
 
         return FilesReceiver(cfg.files_dir, topology, spec, prefetch=cfg.depth)
     me = topology.rank
-    mine = [f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()) if me in (t, d)]
+    links = link_kinds(cfg, topology)
+    mine = [f"{t}->{d} {k}" for (t, d), k in sorted({**kinds, **links}.items()) if me in (t, d)]
     log.info("transport on rank %d (node %d): %s", me, topology.node_of(me), ", ".join(mine))
     channels: dict = {}
     upstream: dict = {}
+    names = {r: topology.name(r) for r in range(topology.world_size)}
     try:
         shm_pairs = [p for p, k in kinds.items() if k == "shm"]
         if shm_pairs:
-            shm = open_shm_channels(topology, spec, cfg.depth, cfg.timeout_s, shm_pairs, cfg.shm_cuda)
+            shm = open_shm_channels(topology, spec, cfg.depth, cfg.timeout_s, shm_pairs, cfg.shm_cuda, names)
             for peer, ch in shm.items():
                 ch.ring.live, ch.ring.peer_rank = live, peer
             channels.update(shm)
@@ -126,9 +128,9 @@ def build_transport(cfg: TransportConfig, topology: Topology, spec: SlotSpec, li
             # No pair group (tests that build groups by hand): the default group, as both ends agree.
             group = topology.pair_groups.get((t, d))
             if me == t:
-                channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s, group, live)
+                channels[d] = P2PSendChannel(me, d, spec, cfg.depth, cfg.timeout_s, group, live, names)
             elif me == d:
-                channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s, group, live)
+                channels[t] = P2PRecvChannel(me, t, spec, cfg.depth, cfg.timeout_s, group, live, names)
         _open_stage_links(cfg, topology, link_spec, live, channels, upstream)
     except BaseException:
         for ch in [*channels.values(), *upstream.values()]:
@@ -149,7 +151,7 @@ def _open_stage_links(cfg: TransportConfig, topology: Topology, link_spec, live,
     if topology.stages < 2:
         return
     kinds, me = link_kinds(cfg, topology), topology.rank
-    names = {r: topology.name(r) for r in range(topology.world_size)}
+    names = {r: topology.name(r) for r in range(topology.world_size)}  # a stage's consumer is a target
     for boundary in range(topology.stages - 1):
         spec = link_spec(boundary)
         links = [(t, u) for t, u, b in topology.stage_links if b == boundary]
