@@ -91,6 +91,34 @@ def test_a_wait_times_out_only_over_quiet_time_and_says_why_it_waited(caplog):
     assert "it is alive: target rank 0 [training" in problem
 
 
+def staged_watcher(wait=6.0):
+    """Drafter rank 2 of a 2-stage target (ranks 0 -> 1 -> 2)."""
+    names = {0: "target rank 0 (stage 0 of 2)", 1: "target rank 1 (stage 1 of 2)", 2: "drafter rank 2"}
+    return Liveness(DictStore(), 2, 3, names, LivenessConfig(stale_s=60.0), wait_s=wait, exit_fn=lambda code: None)
+
+
+def test_a_wait_that_runs_out_follows_the_peers_wait_to_the_stage_that_holds_everything_up():
+    w = staged_watcher()
+    w.phase("training")
+    waits_on_0 = {"peer": 0, "what": "batch 3", "for": 4.0}
+    with w.waiting(1, "batch 3", "no data from target rank 1 (stage 1 of 2) for 6 s"):
+        t = time.monotonic()
+        for i in range(7):  # stage 0 keeps beating (alive) but sends nothing: stage 1 waits for it
+            problem = w.check({0: beat(i), 1: beat(i, wait=waits_on_0), 2: None}, t + i, 1.0)
+    assert problem == ("no data from target rank 1 (stage 1 of 2) for 6 s; target rank 1 (stage 1 of 2) waits "
+                       "for batch 3 from target rank 0 (stage 0 of 2); it is alive: target rank 0 (stage 0 of 2) "
+                       "[training for 1 s, step 5] (transport.timeout_s=6)"), problem
+    # Stage 0 frozen (its beat stopped): named dead or frozen at the end of the chain.
+    w = staged_watcher()
+    w.phase("training")
+    with w.waiting(1, "batch 3", "no data from target rank 1 (stage 1 of 2) for 6 s"):
+        t = time.monotonic()
+        for i in range(7):
+            problem = w.check({0: beat(1), 1: beat(i, wait=waits_on_0), 2: None}, t + i, 1.0)
+    assert "waits for batch 3 from target rank 0 (stage 0 of 2), which has not beaten for 6 s: dead or " \
+           "frozen: target rank 0 (stage 0 of 2) [training" in problem, problem
+
+
 # ------------------------------------------------------------------------ slow: real torchrun jobs
 LIVE = SMALL + ["train.max_steps=8", "transport.timeout_s=5", "topology.timeout_s=300", "train.stop_grace_s=5",
                 "topology.num_target_ranks=1", "checkpoint.every=0"]
