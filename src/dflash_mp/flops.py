@@ -111,3 +111,8 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
     else:
         per_token += 2 * 3 * h * config["intermediate_size"]
     return float(tokens * per_token + 4 * heads * head_dim * pairs)
+
+
+def target_layers_flops(config: dict, layers: range, tokens: int, causal_pairs: float) -> float:
+    """Forward FLOPs of the target's decoder layers `layers` (each by its own kind: `layer_forward_flops`)."""
+    return sum(layer_forward_flops(config, i, tokens, causal_pairs) for i in layers)

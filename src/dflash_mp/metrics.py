@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .compile_stats import counts as compile_counts
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
-                    target_forward_flops)
+                    target_layers_flops)
 from .batch import PackedBatch
 from .resilience import DataTally
 
@@ -433,10 +433,10 @@ class TargetMetrics:
     """A target rank's logging interval: tokens, documents and forward FLOPs sent, and the rows
     written at each logging step. `flush` is collective over `group`."""
 
-    def __init__(self, writer, group, role_size: int, spec, num_layers: int, peak_tflops: float,
+    def __init__(self, writer, group, role_size: int, config: dict, layers: range, peak_tflops: float,
                  device: torch.device, skipped: dict[str, int], start: int):
         self.writer, self.group, self.n = writer, group, role_size
-        self.spec, self.num_layers = spec, num_layers  # spec: target.TargetSpec
+        self.config, self.layers = config, layers  # the target's config.json fields; the layers this rank runs
         self.peak_flops, self.device, self.skipped = peak_tflops * 1e12, device, skipped
         self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, start
         self._pairs = None  # a later stage's attention pairs, summed on the device (no sync per batch)
@@ -451,7 +451,7 @@ class TargetMetrics:
                 self.tokens += batch.num_valid_tokens
                 self.docs += batch.num_docs
             pairs = causal_pairs_packed(torch.bincount(batch.doc_ids[batch.doc_ids >= 0]).tolist())
-            self.flops += target_forward_flops(self.spec, self.num_layers, batch.seq_len, pairs)
+            self.flops += target_layers_flops(self.config, self.layers, batch.seq_len, pairs)
             return
         docs = batch.doc_ids
         counts = torch.zeros(docs.shape[0] + 1, dtype=torch.float64, device=docs.device)
@@ -466,9 +466,8 @@ class TargetMetrics:
             return 0.0
         pairs, rows = float(self._pairs), self._rows  # a sync, at the flush only
         self._pairs, self._rows = None, 0
-        # Linear in the pairs: the rows' sum is the FLOPs of their summed pairs.
-        return rows * target_forward_flops(self.spec, self.num_layers, self.seq_len, 0.0) + \
-            target_forward_flops(self.spec, self.num_layers, 0, pairs)
+        # Linear in the pairs (but for a sliding window's cap): rows of the mean row's pairs.
+        return rows * target_layers_flops(self.config, self.layers, self.seq_len, pairs / rows)
 
     def flush(self, step: int, sender_stats: dict) -> None:
         if self.device.type == "cuda":

@@ -29,7 +29,7 @@ from .archs import TARGET_ARCHS, known_target_config
 from .batch import HiddenBatch, PackedBatch
 from .cli import entry, tool_main
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
-                    target_forward_flops)
+                    target_layers_flops)
 from .model import DFlashDrafter
 from .runtime import resolve
 from .stages import plan_stages
@@ -58,8 +58,7 @@ def workload(target_config: dict, layer_ids: list[int], shape: DrafterShape, seq
     """FLOPs per packed batch of `seq_len` tokens made of documents of `doc_len` tokens."""
     doc_len = max(1, min(doc_len, seq_len))
     docs = [doc_len] * (seq_len // doc_len) + ([seq_len % doc_len] if seq_len % doc_len else [])
-    t = target_forward_flops(TargetSpec.from_config(target_config), max(layer_ids) + 1, seq_len,
-                             causal_pairs_packed(docs))
+    t = target_layers_flops(target_config, range(max(layer_ids) + 1), seq_len, causal_pairs_packed(docs))
     # A block sees on average half a document of context plus its own B x B block, in every layer.
     visible = shape.num_layers * num_anchors * (doc_len / 2 * block_size + block_size * block_size)
     d = drafter_matmul_flops(shape, seq_len, num_anchors, block_size) + drafter_attention_flops(shape, visible)

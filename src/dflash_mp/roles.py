@@ -171,8 +171,8 @@ class TargetRun(_RoleRun):
                                        ctx.live)
             stats = self.stream.stats() if self.stream is not None else {}
             self.skipped = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("skipped/")}
-            self.metrics = TargetMetrics(self.writer, topo.target_group, topo.role_size, ctx.spec,
-                                         layers[1] - layers[0], job.logging.peak_tflops, ctx.device, self.skipped,
+            self.metrics = TargetMetrics(self.writer, topo.target_group, topo.role_size, ctx.target_config,
+                                         range(*layers), job.logging.peak_tflops, ctx.device, self.skipped,
                                          self.start)
             self.forwards = 0
             self._stack = stack.pop_all()  # from here close() owns them
