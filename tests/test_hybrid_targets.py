@@ -184,6 +184,13 @@ def test_random_builtins_are_the_real_architectures(tmp_path):
     for name, model_type in [("builtin:random-qwen3.5-35b-a3b", "qwen3_5_moe_text"),
                              ("builtin:random-qwen3-30b-a3b", "qwen3_moe")]:
         assert load_target_config(resolve_target_path(name, cache))["model_type"] == model_type
+    # Qwen3.5-35B-A3B has no dense MLP width for the drafter to copy: validation names the setting.
+    moe = load_target_config(resolve_target_path("builtin:random-qwen3.5-35b-a3b", cache))
+    job = compose(["target.path=builtin:random-qwen3.5-35b-a3b"])
+    with pytest.raises(ValueError, match=r"drafter config \(drafter.\*\): .*set drafter.intermediate_size"):
+        validate(job, moe, list(range(1000)))
+    job = compose(["target.path=builtin:random-qwen3.5-35b-a3b", "drafter.intermediate_size=4096"])
+    assert validate(job, moe, list(range(1000)))[0] == [1, 19, 37]  # the tiny preset's 3 captured layers
 
     path = resolve_target_path("builtin:random-tiny-qwen3.5", cache)
     worker = TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")

@@ -79,7 +79,7 @@ class TargetSpec:
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=config.get("intermediate_size") or 0,  # 0: a MoE config with no dense MLP width
             vocab_size=config["vocab_size"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,

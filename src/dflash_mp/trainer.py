@@ -114,6 +114,10 @@ def build_drafter_args(cfg: DrafterConfig, target: TargetSpec, layer_ids: list[i
     or the config dict it is read from)."""
     if isinstance(target, dict):
         target = TargetSpec.from_config(target)
+    if not (cfg.intermediate_size or target.intermediate_size):
+        raise ValueError("the target's config has no dense intermediate_size (a mixture-of-experts model) to give "
+                         "the drafter's MLP its width: set drafter.intermediate_size (e.g. the routed experts' width "
+                         "x experts per token).")
     heads = cfg.num_heads or target.num_heads
     return DrafterArgs(
         hidden_size=target.hidden_size,
