@@ -438,6 +438,8 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
         kinds = pair_kinds(job.transport, topo)
         pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
         rows.append(("transport per pair (target->drafter)", pairs))
+    if topo.stages > 1:
+        rows.append(("target stages (per replica)", f"{topo.stages}: {ctx.stage_plan.describe()}"))
     rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),
              ("target hidden size", str(spec.hidden_size)),
              ("target attention heads / kv heads", f"{spec.num_heads} / {spec.num_kv_heads}"),
