@@ -83,7 +83,7 @@ def test_event_files_hold_the_curve_the_resolved_choices_and_only_documented_tag
     assert "| transport per pair (target->drafter) | 0->1 shm, 0->2 shm |" in resolved
     assert "| hidden-state dtype | float32 |" in resolved
     assert "| target head dim | 32 |" in resolved
-    assert "| target attention implementation | sdpa |" in text(target, "resolved")
+    assert "| target attention implementation | sdpa with the dense packed-document mask |" in text(target, "resolved")
     # ... and the console said the same.
     assert "drafter step: compile eager (layers scope), fp32 weights, loss kernel eager" in proc.stderr
 

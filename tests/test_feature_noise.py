@@ -21,11 +21,16 @@ ARGS = DrafterArgs(hidden_size=H, intermediate_size=64, num_layers=1, num_heads=
 BATCHES = [synthetic_batch(128, K * H, V, "cpu", torch.float32, seed=s, lo=32, hi=64) for s in range(2)]
 
 
-def build(noise: str = "none", scale: float = 0.5) -> DrafterTrainer:
+def build(noise: str = "none", scale: float = 0.5, target_dtype=torch.float32, bf16_values=False) -> DrafterTrainer:
+    """`target_dtype`: the dtype the target's embedding and head come in (a drafter rank loads them so);
+    `bf16_values`: their values rounded to bf16 whatever that dtype."""
     torch.manual_seed(0)
     drafter = DFlashDrafter(ARGS)
     g = torch.Generator().manual_seed(1)
     embed, head = torch.randn(V, H, generator=g) * 0.02, torch.randn(V, H, generator=g) * 0.02
+    if bf16_values:
+        embed, head = embed.bfloat16(), head.bfloat16()
+    embed, head = embed.to(target_dtype), head.to(target_dtype)
     dcfg = DrafterConfig(block_size=4, num_anchors=16, max_anchors_per_doc=8, gamma=4.0)
     obj = DFlashObjective(drafter, ARGS, embed, head, dcfg)
     cfg = TrainConfig(compile="eager", precision="fp32", warmup_ratio=0.0, lr=1e-2,
@@ -114,3 +119,21 @@ def test_bad_feature_noise_names_the_setting():
         build("salt")
     with pytest.raises(ValueError, match="feature_noise_scale=-1"):
         build("gaussian", -1.0)
+
+
+def test_a_bf16_target_feeds_an_fp32_drafter():
+    """Features, embedding and head arrive in the target's dtype: an fp32 drafter takes bf16 ones as
+    their fp32 values (the step a bf16 target on CPU used to die in with a matmul dtype mismatch)."""
+    import dataclasses
+
+    b = BATCHES[0]
+    bf16 = dataclasses.replace(b, hidden=b.hidden.bfloat16())
+    got, want = [], []
+    for batch, out in ((bf16, got), (dataclasses.replace(bf16, hidden=bf16.hidden.float()), want)):
+        trainer = build(target_dtype=bf16.hidden.dtype if out is got else torch.float32, bf16_values=True)
+        torch.manual_seed(7)
+        out.append(trainer.forward_backward(batch).item())
+        trainer.optimizer_step()
+        out.append(trainer.master_state_dict())
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])

@@ -12,7 +12,7 @@ from dflash_mp import speculative
 from dflash_mp.batch import PackedBatch
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.speculative import Drafter, check_lossless, greedy_generate, speculative_generate
-from dflash_mp.target import TargetWorker, load_target_config, load_target_head
+from dflash_mp.target import TargetWorker, linear_attn, load_target_config, load_target_head
 from dflash_mp.archs import HF_ARCHS, TINY_ARCHS, hf_config
 
 V = 128
@@ -67,7 +67,7 @@ def test_packed_rows_capture_what_serving_reads_per_document(tmp_path, arch):
     layer_ids = [0, 2, 3]
     worker = TargetWorker.load(path, layer_ids, torch.device("cpu"), torch.float32, "sdpa")
     assert type(worker.model).__name__ == type(reference).__name__
-    assert bool(worker.recurrent) == arch.startswith("tiny-qwen3.5")
+    assert bool(worker.linear) == arch.startswith("tiny-qwen3.5")
     lens = [70, 9, 33]
     hb = worker.forward(packed(lens, 128))
     o = 0
@@ -96,30 +96,72 @@ def _leaky_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
 
-def test_packing_check_refuses_a_target_whose_attention_ignores_the_mask(tmp_path, caplog):
-    """Item 3: attention that ignores the packed-document mask (plain causal over the whole row) is
-    refused by name; target.packing_check=false loads it anyway, with a warning."""
+def one_sequence(monkeypatch):
+    """Linear-attention layers lose the row's document boundaries: the row runs as one sequence."""
+    monkeypatch.setattr(linear_attn.Spans, "of", classmethod(
+        lambda cls, docs, device: cls(torch.tensor([0, docs.shape[0]]), device)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_check_refuses_a_target_whose_attention_ignores_the_mask(tmp_path, dtype):
+    """Attention that ignores the packed-document mask (plain causal over the whole row) is refused
+    by name and layer, in fp32 and in bf16; the same model with the mask honoured passes."""
     path = save_target(tmp_path, "tiny-qwen3-moe")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     AttentionInterface.register("dflash_mp_test_leaky", _leaky_attention)
     model.config._attn_implementation = "dflash_mp_test_leaky"
     worker = TargetWorker(model, [0, 1], torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"target Qwen3MoeForCausalLM: captured layer 0 .*packing_check=false"):
+    with pytest.raises(ValueError, match=r"target Qwen3MoeForCausalLM: layer 0 \(full_attention\) lets packed "
+                                         r"documents see each other: .*packing_check=false"):
         worker.check_packing()
     model.config._attn_implementation = "sdpa"
-    assert max(worker.check_packing().values()) < 1e-5
+    assert max(worker.check_packing().values()) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_packing_check_refuses_linear_attention_fed_across_documents(tmp_path, caplog, monkeypatch):
-    """Without per-document splitting, Qwen3.5's linear-attention layers carry state from one packed
-    document into the next: the load-time check refuses it; packing_check=false skips it, logged."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_check_refuses_linear_attention_fed_across_documents(tmp_path, caplog, monkeypatch, dtype):
+    """Without the row's document boundaries, Qwen3.5's linear-attention layers carry state from one
+    packed document into the next: the load-time check refuses it at the first such layer, in fp32
+    and in bf16; packing_check=false skips it, logged."""
     path = save_target(tmp_path, "tiny-qwen3.5")
-    monkeypatch.setattr(TargetWorker, "_per_document", lambda self, forward: forward)
-    with pytest.raises(ValueError, match=r"target Qwen3_5ForCausalLM: captured layer 0 "):
-        TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")
+    one_sequence(monkeypatch)
+    with pytest.raises(ValueError, match=r"target Qwen3_5ForCausalLM: layer 0 \(linear_attention\) lets packed"):
+        TargetWorker.load(path, [0, 3], torch.device("cpu"), dtype, "sdpa")
     with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
-        TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa", packing_check=False)
+        TargetWorker.load(path, [0, 3], torch.device("cpu"), dtype, "sdpa", packing_check=False)
     assert "target.packing_check=false: Qwen3_5ForCausalLM is not checked" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packing_check_passes_the_hybrid_and_moe_targets_in_bf16(tmp_path, arch):
+    """Every layer of the tiny Qwen3.5, Qwen3.5-MoE and Qwen3-MoE, run in bf16, keeps a document's
+    outputs within the bf16 tolerances when the other documents change and when it runs alone."""
+    path = save_target(tmp_path, arch)
+    worker = TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.bfloat16, "sdpa")
+    diffs = worker.check_packing()
+    assert sorted(diffs) == [0, 1, 2, 3] and max(diffs.values()) < 2e-2
+
+
+def test_varlen_linear_attention_equals_each_layer_run_per_document(tmp_path):
+    """The one-call varlen forward of a Gated DeltaNet layer (its projections, causal conv, gated
+    delta rule and gated norm, with the CPU kernels) gives each document of a packed row what the
+    layer's own forward gives it alone; without the row's boundaries it would not."""
+    path = save_target(tmp_path, "tiny-qwen3.5-moe")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    module = model.get_decoder().layers[0].linear_attn
+    assert linear_attn.supports_varlen(module) and module.num_v_heads > module.num_k_heads  # grouped values
+    torch.manual_seed(0)
+    lens = [70, 9, 49]
+    h = torch.randn(1, sum(lens), 64)
+    docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])
+    with torch.no_grad():
+        with linear_attn.documents(linear_attn.Spans.of(docs, torch.device("cpu"))):
+            got = linear_attn.varlen_forward(module, h)
+        want = torch.cat([module(h[:, s:s + n]) for s, n in zip([0, 70, 79], lens)], dim=1)
+        with linear_attn.documents(linear_attn.Spans(torch.tensor([0, sum(lens)]), torch.device("cpu"))):
+            crossed = linear_attn.varlen_forward(module, h)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert (crossed[:, 70:] - want[:, 70:]).abs().max() > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +236,7 @@ def test_random_builtins_are_the_real_architectures(tmp_path):
 
     path = resolve_target_path("builtin:random-tiny-qwen3.5", cache)
     worker = TargetWorker.load(path, [0, 3], torch.device("cpu"), torch.float32, "sdpa")
-    assert type(worker.model).__name__ == "Qwen3_5ForCausalLM" and len(worker.recurrent) == 3
+    assert type(worker.model).__name__ == "Qwen3_5ForCausalLM" and len(worker.linear) == 3
     embed, _ = load_target_head(path, torch.float32, torch.device("cpu"))
     assert torch.equal(embed, worker.model.get_input_embeddings().weight)
 

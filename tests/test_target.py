@@ -108,3 +108,37 @@ def test_block_diagonal_mask():
         [0, 0, 1, 1, 0],
         [0, 0, 0, 0, 1],
     ]
+
+
+def test_attention_is_chosen_per_architecture():
+    """auto: flex_attention on CUDA where transformers supports it for the model class, sdpa (exact
+    dense document mask) where it does not (Qwen3.5) and on CPU; flex_attention asked for on a class
+    without transformers' support loads with sdpa and runs the registered function; a bad name is
+    refused with the choices."""
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    from dflash_mp.target.attention import choose_attention, load_attention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_attention("auto", cuda, Qwen3ForCausalLM) == "flex_attention"
+    assert choose_attention("auto", cuda, Qwen3MoeForCausalLM) == "flex_attention"
+    assert choose_attention("auto", cuda, Qwen3_5ForCausalLM) == "sdpa"
+    assert choose_attention("auto", cpu, Qwen3ForCausalLM) == "sdpa"
+    assert choose_attention("flex_attention", cuda, Qwen3_5ForCausalLM) == "flex_attention"
+    assert load_attention("flex_attention", Qwen3_5ForCausalLM) == "sdpa"
+    assert load_attention("flex_attention", Qwen3ForCausalLM) == "flex_attention"
+    with pytest.raises(ValueError, match=r"target.attn_implementation='flash': use auto or one of sdpa"):
+        choose_attention("flash", cuda, Qwen3ForCausalLM)
+
+
+def test_flex_attention_asked_for_on_qwen3_5_loads_through_the_registered_function(tmp_path):
+    """Qwen3.5, which transformers will not load with flex_attention, gets it when asked: loaded
+    with sdpa, then switched to the registered function that takes the packed block mask (its
+    captures equal sdpa's: tests/test_hybrid_gpu.py, on the GPU)."""
+    from dflash_mp.builtin import resolve_target_path
+
+    path = resolve_target_path("builtin:random-tiny-qwen3.5", str(tmp_path / "cache"))
+    flex = TargetWorker.load(path, [1, 3], torch.device("cpu"), torch.float32, "flex_attention", packing_check=False)
+    assert flex.model.config._attn_implementation == FLEX_OUTSIDE_GRAPH and flex.flex
+    assert flex.attention == f"flex_attention (registered as {FLEX_OUTSIDE_GRAPH})"

@@ -164,7 +164,7 @@ class TargetRun(_RoleRun):
                                       os.path.join(job.run_dir, "tb", "target"), ctx.run_id)
             stack.callback(self.writer.close)
             self.writer.add_text("config", f"```\n{job_yaml(job)}\n```", 0)  # a null writer off the leader
-            self.writer.add_text("resolved", resolved_choices(ctx), 0)
+            self.writer.add_text("resolved", resolved_choices(ctx, target=self.worker), 0)
             self.batches = iter(self.stream) if self.stream is not None else None
             self.fault = fault_from_env()
             self.agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, self.start, self.num_steps,
@@ -422,11 +422,10 @@ def slow_compile_for_tests() -> None:
         time.sleep(delay)
 
 
-def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
+def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> str:
     """What the run chose where the config says auto/null, as a markdown table (TensorBoard's Text
-    tab, next to the config): the role's own choices (a drafter passes its trainer and drafter args)
-    plus the job-wide ones."""
-    from .target import resolve_attn
+    tab, next to the config): the role's own choices (a drafter passes its trainer and drafter args,
+    a target its TargetWorker) plus the job-wide ones."""
     from .transport import pair_kinds
 
     job, topo, spec = ctx.job, ctx.topo, ctx.spec
@@ -444,8 +443,9 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None) -> str:
              ("target hidden size", str(spec.hidden_size)),
              ("target attention heads / kv heads", f"{spec.num_heads} / {spec.num_kv_heads}"),
              ("target head dim", str(spec.head_dim))]
-    if topo.role == "target":
-        rows += [("target attention implementation", resolve_attn(job.target.attn_implementation, ctx.device)),
+    if target is not None:
+        rows += [("target attention implementation", target.attention),
+                 ("target linear-attention layers", target.linear_how),
                  ("target forward compiled", str(job.target.compile and ctx.device.type == "cuda").lower())]
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),

@@ -154,9 +154,15 @@ class DFlashObjective(nn.Module):
                              persistent=False)
         self.loss_kernel = "eager"  # set by compile_objective
         self.feature_noise: tuple[str, float] = ("none", 0.0)  # set by DrafterTrainer (training only)
+        # The dtype the drafter computes in: features arrive in the target's (a bf16 target may feed an
+        # fp32 drafter). Set by DrafterTrainer (bf16 under autocast); None: the weights' own.
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
         b = self.args.block_size
+        dtype = self.compute_dtype or self.drafter.fc.weight.dtype
+        if hidden.dtype != dtype:
+            hidden = hidden.to(dtype)
         kind, scale = self.feature_noise
         if kind != "none" and self.training:
             hidden = add_feature_noise(hidden, kind, scale, len(self.args.target_layer_ids))
@@ -256,6 +262,10 @@ class DrafterTrainer:
                              f"{cfg.feature_noise_scale}: use one of {FEATURE_NOISE} and a scale >= 0 (e.g. 0.05)")
         # Python constants of the step: fixed for the run, so they never trigger a recompile.
         objective.feature_noise = (cfg.feature_noise, float(cfg.feature_noise_scale))
+        objective.compute_dtype = torch.bfloat16 if self.autocast else None
+        if not self.autocast:  # the target's embedding and head come in its dtype (bf16 for a bf16 target)
+            dtype = objective.drafter.fc.weight.dtype
+            objective.embed, objective.head = objective.embed.to(dtype), objective.head.to(dtype)
         self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel)
         b = objective.args.block_size
         self.stats = IntervalStats(b, device)

@@ -1,0 +1,193 @@
+"""The frozen target at work: packed rows in, the captured layers out (a HiddenBatch).
+
+"Layer i" is the output of decoder layer i (`hidden_states[i + 1]` of an HF forward). The worker runs
+the decoder's own layers in its own loop and returns the captured ones from it as values, so a
+compiled forward keeps them whatever the graph looks like (no hook writes to lose at a graph break).
+Layers past the last captured one, the final norm (unless the last layer is captured) and the LM
+head are dropped at load and never run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..batch import HiddenBatch, PackedBatch
+from .linear_attn import Spans, describe as describe_linear, documents, install
+from .attention import (FLEX_OUTSIDE_GRAPH, block_diagonal_causal_mask, choose_attention, describe_attention,
+                        doc_causal_block_mask, load_attention, register_flex_outside_graph, sliding_window_of,
+                        supports_flex)
+from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
+
+log = logging.getLogger(__name__)
+
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+
+class TargetWorker:
+    """Runs the truncated target over packed batches and returns HiddenBatches.
+
+    `compile`: the forward is one `torch.compile` region; flex_attention runs as its own compiled
+    kernel between the graph pieces (`FLEX_OUTSIDE_GRAPH`) unless `flex_in_graph`; linear-attention
+    layers are custom ops inside the graph (linear_attn.py).
+
+    `layers` = (first, end): one stage of a staged target (stages.py) runs decoder layers [first, end)
+    only. A first stage takes PackedBatches; a later one takes the previous stage's HiddenBatch, whose
+    `hidden` is [residual stream, captured so far]. A stage before the last returns [residual stream
+    after its layers, captured so far], the last returns the captured layers alone, as one stage does.
+
+    `cross_documents`: linear-attention layers run a packed row as one sequence (a leaking variant,
+    for the packing check's tests).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
+                 flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False):
+        self.all_layer_ids = sorted(layer_ids)
+        first, end = layers if layers is not None else (0, max(layer_ids) + 1)
+        self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
+        self.stage_layers = (first, end)
+        self.layer_ids = [i for i in self.all_layer_ids if first <= i < end]  # the ones this stage captures
+        self._captures = frozenset(self.layer_ids)
+        self.device = device
+        self.model = model
+        self.decoder = decoder = model.get_decoder()
+        missing = [a for a in ("layers", "rotary_emb") + (("embed_tokens",) if self.first_stage else ())
+                   if not hasattr(decoder, a)]
+        if missing:
+            raise ValueError(f"target {type(model).__name__}: its decoder has no {', '.join(missing)}; dflash_mp runs "
+                             "decoders laid out as Llama/Qwen (embed_tokens, layers, rotary_emb, norm): use such a target.")
+        config = model.config
+        self.hidden_size = config.get_text_config().hidden_size
+        self.dtype = next(p.dtype for p in decoder.parameters() if p.is_floating_point())
+        attn = config._attn_implementation
+        self.flex = attn in ("flex_attention", FLEX_OUTSIDE_GRAPH)
+        if self.flex and ((compile and not flex_in_graph) or not supports_flex(type(model))):
+            config._attn_implementation = register_flex_outside_graph()
+        self.attention = describe_attention("flex_attention" if self.flex else attn, type(model), compile)
+        self.window = sliding_window_of(config)
+        types = list(getattr(config, "layer_types", None) or [])
+        self.layer_types = [types[i] if i < len(types) else "full_attention" for i in range(len(decoder.layers))]
+        odd = sorted(set(self.layer_types[first:end]) - set(LAYER_TYPES))
+        if odd:
+            raise ValueError(f"target {type(model).__name__}: layer types {odd} are not supported (only "
+                             f"{', '.join(LAYER_TYPES)}): use another target.")
+        # Serving reads the last layer as `hidden_states[L]`, which HF takes after the final norm.
+        self._last = len(decoder.layers) - 1
+        norm = getattr(decoder, "norm", None)
+        self.final_norm = norm if self._last in self.layer_ids and not isinstance(norm, (nn.Identity, type(None))) else None
+        # Linear-attention (recurrent) mixers ignore attention masks: they get the row's document spans.
+        self.linear = {i: install(m, cross_documents) for i in range(first, end)
+                       if (m := getattr(decoder.layers[i], "linear_attn", None)) is not None}
+        self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
+        self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
+
+    @classmethod
+    def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
+             attn_implementation: str = "auto", compile: bool = False,
+             packing_check: bool = True, layers: tuple[int, int] | None = None) -> "TargetWorker":
+        """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
+        stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
+        weights are read (and the embedding on a first stage). The attention implementation is
+        chosen for the model's class (attention.choose_attention)."""
+        last = max(layer_ids)
+        first, end = layers if layers is not None else (0, last + 1)
+        if not 0 <= first < end <= last + 1:
+            raise ValueError(f"stage layers [{first}, {end}) are outside the target's layers 0..{last}")
+        model_cls = causal_lm_class(path)
+        attn = choose_attention(attn_implementation, device, model_cls)
+        seed = random_init_seed(path)
+        load_as = load_attention(attn, model_cls)
+        if seed is None:
+            model = load_stage(path, first, end, keep_norm=end == last + 1, dtype=dtype, attn=load_as)
+        else:
+            model = random_target(path, seed, device, dtype, load_as, first, end, keep_norm=end == last + 1)
+        if attn == "flex_attention":
+            model.config._attn_implementation = "flex_attention"  # TargetWorker registers it where needed
+        if getattr(model.config, "output_router_logits", False):
+            model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
+        truncate(model, last)
+        model.to(device).eval().requires_grad_(False)
+        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end))
+        log.info("target %s: attention %s; linear attention: %s", type(model).__name__, worker.attention,
+                 worker.linear_how)
+        if packing_check:
+            worker.check_packing()
+        else:
+            log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
+                        type(model).__name__)
+        return worker
+
+    # ------------------------------------------------------------------------------------ forward
+    def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict) -> torch.Tensor:
+        """Decoder layer i on h [1, T, H] (position ids [1, T], RoPE tables, masks by layer type)."""
+        out = self.decoder.layers[i](h, attention_mask=masks[self.layer_types[i]], position_ids=pos,
+                                     position_embeddings=rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def embed(self, x: torch.Tensor, pos: torch.Tensor):
+        """(h [1, T, H], position ids [1, T], RoPE tables): token ids on a first stage, else the
+        residual stream [T, H]."""
+        h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
+        return h, pos[None], self.decoder.rotary_emb(h, pos[None])
+
+    def _forward(self, x: torch.Tensor, pos: torch.Tensor, masks: dict, before: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """`before`: the captured columns the previous stages sent. Returns what this stage passes on
+        (class docstring)."""
+        h, pos, rope = self.embed(x, pos)
+        captured = []
+        for i in range(*self.stage_layers):
+            h = self.run_layer(i, h, pos, rope, masks)
+            if i in self._captures:
+                captured.append((h if i != self._last or self.final_norm is None else self.final_norm(h))[0])
+        parts = ([] if self.last_stage else [h[0]]) + ([] if before is None else [before]) + captured
+        return torch.cat(parts, dim=-1)
+
+    def masks(self, docs: torch.Tensor) -> dict:
+        """The packed-document mask per layer type (linear-attention layers take none: they get the
+        row's document spans instead)."""
+        build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
+        present = set(self.layer_types[slice(*self.stage_layers)])
+        masks = {t: None for t in LAYER_TYPES}
+        if "full_attention" in present:
+            masks["full_attention"] = build(docs)
+        if "sliding_attention" in present:
+            masks["sliding_attention"] = build(docs, self.window)
+        return masks
+
+    def spans(self, docs: torch.Tensor) -> Spans | None:
+        return Spans.of(docs, self.device) if self.linear else None
+
+    def _capture(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, docs_host: torch.Tensor,
+                 before: torch.Tensor | None = None) -> torch.Tensor:
+        with documents(self.spans(docs_host)):
+            return self._run(x, pos, self.masks(docs), before)
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch | HiddenBatch) -> HiddenBatch:
+        """A PackedBatch on a first stage; the previous stage's HiddenBatch on a later one."""
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        pos = batch.position_ids.to(self.device, non_blocking=True)
+        docs = batch.doc_ids.to(self.device, non_blocking=True)
+        if self.first_stage:
+            hidden = self._capture(ids, pos, docs, batch.doc_ids)
+        else:
+            incoming = batch.hidden.to(self.device, non_blocking=True)
+            h = self.hidden_size
+            before = incoming[:, h:] if incoming.shape[1] > h else None
+            hidden = self._capture(incoming[:, :h], pos, docs, batch.doc_ids, before=before)
+        return HiddenBatch(
+            hidden=hidden,
+            input_ids=ids,
+            position_ids=pos,
+            doc_ids=docs,
+            loss_mask=batch.loss_mask.to(self.device, non_blocking=True),
+            num_valid_tokens=batch.num_valid_tokens,
+        )
+
+    def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
+        from .packing import check_packing
+
+        return check_packing(self, lengths, seed)
