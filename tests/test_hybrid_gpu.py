@@ -57,7 +57,7 @@ def per_document_reference(model, pb):
             ids = pb.input_ids[o:o + m].to(CUDA)[None]
             pos = torch.arange(m, device=CUDA)[None]
             h = dec.embed_tokens(ids)
-            rope = dec.rotary_emb(h, pos)
+            rope = dec.rotary_emb(h, pos[None].expand(3, 1, -1))  # text ids as Qwen3.5's (t, h, w)
             caps = {}
             for i in range(max(LAYERS) + 1):
                 h = dec.layers[i](h, attention_mask=None, position_ids=pos,

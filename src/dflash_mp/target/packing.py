@@ -45,7 +45,7 @@ class _Row:
         self.pos = pos.to(worker.device)[None]
         self.masks = worker.masks(docs.to(worker.device))
         self.spans = worker.spans(docs)
-        self.rope = worker.decoder.rotary_emb(like, self.pos)
+        self.rope = worker.rope(like, self.pos)
 
     def run(self, worker, i: int, h: torch.Tensor) -> torch.Tensor:
         with documents(self.spans):

@@ -130,7 +130,13 @@ class TargetWorker:
         """(h [1, T, H], position ids [1, T], RoPE tables): token ids on a first stage, else the
         residual stream [T, H]."""
         h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
-        return h, pos[None], self.decoder.rotary_emb(h, pos[None])
+        return h, pos[None], self.rope(h, pos[None])
+
+    def rope(self, h: torch.Tensor, pos: torch.Tensor):
+        """RoPE tables for position ids [1, T]. Multimodal RoPE (Qwen3.5) takes (temporal, height,
+        width) ids, [3, 1, T]: text repeats its own (transformers 5.17 requires the 3, later ones add it)."""
+        rotary = self.decoder.rotary_emb
+        return rotary(h, pos[None].expand(3, 1, -1) if hasattr(rotary, "mrope_section") else pos)
 
     def _forward(self, x: torch.Tensor, pos: torch.Tensor, masks: dict, before: torch.Tensor | None = None
                  ) -> torch.Tensor:
