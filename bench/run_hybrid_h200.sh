@@ -4,7 +4,8 @@
 #   tests    the CUDA tests of the hybrid path (tests/test_hybrid_gpu.py), beside job27 (little memory)
 #   job27    experiment=qwen3_5_27b on builtin:random-qwen3.5-27b, 1 target + 1 drafter sharing the GPU
 #            (what num_target_ranks=auto picks for 2 processes), compiled as by default, from the
-#            Inductor cache as found (empty on a fresh machine: the cold start is part of the figure)
+#            Inductor cache as found (empty on a fresh machine: the cold start is part of the figure);
+#            $JOB27_ARGS adds overrides (train.compile=eager: a drafter that compiles nothing)
 #   targets  bench/hybrid_targets.py: each hybrid/MoE target loaded as the job does, timed ($TARGETS)
 #   job35    builtin:random-qwen3.5-35b-a3b under the 27B preset's drafter (its MLP width set: the MoE
 #            has no dense width to copy), 1 + 1 on the GPU ($JOB35_ARGS adds overrides)
@@ -45,7 +46,7 @@ python3 -c "import fla, torch, transformers, triton; print('fla', fla.__version_
 bg=()
 if has job27; then
     (job job27 "${T_JOB27:-540}" experiment=qwen3_5_27b target.path=builtin:random-qwen3.5-27b \
-        topology.num_target_ranks=auto train.max_steps="${STEPS27:-120}") & bg+=($!)
+        topology.num_target_ranks=auto train.max_steps="${STEPS27:-120}" ${JOB27_ARGS:-}) & bg+=($!)
 fi
 if has tests; then
     sleep 5  # the job's target claims its memory first

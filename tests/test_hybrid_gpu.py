@@ -79,7 +79,7 @@ def test_varlen_fla_path_equals_the_per_document_path(model):
     want = per_document_reference(model, pb)
     r = rel(got, want)
     print(f"varlen vs per-document: max {r.max():.2e}, mean {r.mean():.2e} (relative per token, bf16)")
-    assert r.max() < 5e-2 and r.mean() < 1e-2
+    assert r.max() < 5e-2 and r.mean() < 3e-2
 
 
 def test_compiled_target_equals_eager_in_one_graph_and_never_recompiles(model):
@@ -94,7 +94,7 @@ def test_compiled_target_equals_eager_in_one_graph_and_never_recompiles(model):
         got = compiled.forward(pb).hidden
         r = rel(got, want)[: pb.num_valid_tokens]
         print(f"compiled vs eager, row {seed}: max {r.max():.2e}, mean {r.mean():.2e}")
-        assert r.max() < 5e-2 and r.mean() < 1e-2
+        assert r.max() < 5e-2 and r.mean() < 3e-2
         if seed == 0:
             after_first = counts()["graphs"]
     assert sum(counters["graph_break"].values()) == breaks  # the varlen ops are custom ops, not breaks
@@ -127,4 +127,4 @@ def test_flex_attention_through_the_registered_function_equals_sdpa(model):
         model.config._attn_implementation = "sdpa"
     r = rel(got, want)[: pb.num_valid_tokens]
     print(f"flex (registered) vs sdpa: max {r.max():.2e}, mean {r.mean():.2e}")
-    assert r.max() < 5e-2 and r.mean() < 1e-2
+    assert r.max() < 5e-2 and r.mean() < 3e-2
