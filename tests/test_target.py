@@ -142,3 +142,23 @@ def test_flex_attention_asked_for_on_qwen3_5_loads_through_the_registered_functi
     flex = TargetWorker.load(path, [1, 3], torch.device("cpu"), torch.float32, "flex_attention", packing_check=False)
     assert flex.model.config._attn_implementation == FLEX_OUTSIDE_GRAPH and flex.flex
     assert flex.attention == f"flex_attention (registered as {FLEX_OUTSIDE_GRAPH})"
+
+
+def test_a_compiled_forward_that_differs_from_eager_falls_back_to_eager(tmp_path, caplog):
+    """At load a compiled target is checked against its eager forward on a packed row: a compiled
+    forward equal to rounding stays; one whose features are off (as a MoE hybrid's measured on the
+    GPU) is replaced by the eager forward, warned, and the worker says it is not compiled."""
+    import logging
+
+    model = tiny_model(tmp_path)
+    truncate(model, 3)
+    worker = TargetWorker(model, [1, 3], torch.device("cpu"), compile=True)
+    assert worker.check_compiled(64) < 1e-5 and worker.compiled
+    compiled = worker._run
+    worker._run = lambda *a, **k: compiled(*a, **k) * 1.5  # a compile that gets the features wrong
+    with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
+        assert worker.check_compiled(64) > 0.3
+    assert not worker.compiled and worker._run == worker._forward
+    assert "the compiled forward's features differ from the eager ones" in caplog.text
+    torch.testing.assert_close(worker.forward(packed([10, 6], 20)).hidden,
+                               TargetWorker(model, [1, 3], torch.device("cpu")).forward(packed([10, 6], 20)).hidden)

@@ -144,17 +144,21 @@ class TargetRun(_RoleRun):
         layers = ctx.stage_plan.bounds[self.stage]
         if topo.stages > 1 and topo.rank == topo.target_ranks[0]:
             log.info("target stages (%d per replica): %s", topo.stages, ctx.stage_plan.describe())
-        live.phase("loading", "target weights" if topo.stages == 1 else f"target layers {layers[0]}-{layers[1] - 1}")
-        self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
-                                        job.target.attn_implementation, job.target.compile,
-                                        job.target.packing_check, layers=layers)
         self.compiled = job.target.compile and ctx.device.type == "cuda"
         role = "target" if topo.stages == 1 else f"target-stage{self.stage}"  # each stage its own graphs
         self.cache_path = compile_cache.artifact_path(job.run_dir, role, ctx.device)
-        self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
-        if self.compiled:
+        if self.compiled:  # before the load, whose compiled-vs-eager check compiles the forward
             live.phase("loading", "compile cache")
             compile_cache.load(self.cache_path)
+        live.phase("loading", "target weights" if topo.stages == 1 else f"target layers {layers[0]}-{layers[1] - 1}")
+        out = (compile_output.to_file(compile_output.output_path(job.run_dir, topo.rank), "target compile")
+               if self.compiled else contextlib.nullcontext())
+        with out:
+            self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
+                                            job.target.attn_implementation, job.target.compile,
+                                            job.target.packing_check, layers=layers, probe_len=job.data.seq_len)
+        self.compiled = self.worker.compiled  # False where the compiled forward failed its check
+        self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         live.phase("starting", "transport")
         with ExitStack() as stack:
             self.sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
@@ -446,7 +450,7 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> s
     if target is not None:
         rows += [("target attention implementation", target.attention),
                  ("target linear-attention layers", target.linear_how),
-                 ("target forward compiled", str(job.target.compile and ctx.device.type == "cuda").lower())]
+                 ("target forward compiled", str(target.compiled).lower())]
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),

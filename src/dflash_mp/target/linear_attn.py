@@ -89,19 +89,19 @@ def varlen_causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from fla.modules.causal_conv1d import causal_conv1d
 
         y, _ = causal_conv1d(x, weight, activation="silu", cu_seqlens=spans.device, cu_seqlens_cpu=spans.cpu)
-        return y.to(x.dtype)
+        return y.to(x.dtype).contiguous()  # the strides the fake promises: compiled code reads by them
     width = weight.shape[-1]
     out = []
     for s, e in spans.pairs():
         seg = x[:, s:e].transpose(1, 2).to(weight.dtype)
         y = F.conv1d(seg, weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])[..., : e - s]
         out.append(F.silu(y).transpose(1, 2))
-    return torch.cat(out, dim=1).to(x.dtype)
+    return torch.cat(out, dim=1).to(x.dtype).contiguous()
 
 
 @varlen_causal_conv1d.register_fake
 def _(x, weight):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the real output
 
 
 @torch.library.custom_op("dflash_mp::varlen_gated_delta_rule", mutates_args=())
@@ -115,19 +115,19 @@ def varlen_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=spans.device,
                                       cu_seqlens_cpu=spans.cpu)
-        return o.to(v.dtype)
+        return o.to(v.dtype).contiguous()
     rep = v.shape[2] // q.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     rule = _torch_chunk_gated_delta_rule()
     out = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
            for s, e in spans.pairs()]
-    return torch.cat(out, dim=1).to(v.dtype)
+    return torch.cat(out, dim=1).to(v.dtype).contiguous()
 
 
 @varlen_gated_delta_rule.register_fake
 def _(q, k, v, g, beta):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)  # contiguous, as the real output (v itself is a strided view)
 
 
 @functools.cache
