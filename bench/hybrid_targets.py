@@ -63,7 +63,8 @@ def main() -> None:
         layer_ids = capture_layer_ids(TargetConfig(num_capture=5 if cfg["num_hidden_layers"] > 40 else 3),
                                       cfg["num_hidden_layers"])
         t0 = time.perf_counter()
-        worker = TargetWorker.load(path, layer_ids, dev, torch.bfloat16, compile=True)  # defaults otherwise
+        worker = TargetWorker.load(path, layer_ids, dev, torch.bfloat16, compile=True,  # defaults otherwise
+                                   probe_len=a.seq_len)
         load_s = time.perf_counter() - t0
         diffs = worker.check_packing()
         pb, lens = row(a.seq_len, cfg["vocab_size"], 0)
@@ -77,7 +78,7 @@ def main() -> None:
         eager_ms = ms(lambda: eager.forward(pb), 2)
         rel = ((compiled.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-12))
         flops = target_layers_flops(cfg, range(max(layer_ids) + 1), a.seq_len, causal_pairs_packed(lens))
-        r = dict(target=name, layers=max(layer_ids) + 1, layer_ids=layer_ids, attention=worker.attention,
+        r = dict(target=name, compiled_after_check=worker.compiled, layers=max(layer_ids) + 1, layer_ids=layer_ids, attention=worker.attention,
                  linear_attention=worker.linear_how, load_s=round(load_s, 1),
                  packing_check_max=max(diffs.values()), first_forward_s=round(first_s, 1),
                  forward_ms=round(fwd_ms, 1), eager_forward_ms=round(eager_ms, 1),
