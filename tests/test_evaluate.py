@@ -86,3 +86,13 @@ def test_overrides_reach_the_job_config():
                              ["checkpoint=x", "eval.num_prompts=4", "data.path=y", "checkpoint.resume=auto"])
     assert (mine.checkpoint, mine.num_prompts) == ("x", 4)
     assert (job.data.path, job.checkpoint.resume) == ("y", "auto")
+
+
+def test_evaluate_runs_against_a_random_builtin_target(export, capsys):
+    """evaluate takes a random-weight builtin target.path as the job does (same shapes as the tiny
+    target the export was made for) and its live decoding stays lossless."""
+    path, cache = export
+    main([f"checkpoint={path}", cache, "target.path=builtin:random-tiny-qwen3", *DATA, *EVAL])
+    report = json.load(open(path / "eval.json"))
+    assert report["target"].endswith("random-tiny-qwen3") or "random" in report["target"]
+    assert report["live"]["lossless"] and report["failures"] == []

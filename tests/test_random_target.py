@@ -76,3 +76,26 @@ def test_make_data_turns(tmp_path):
     for messages in rows:
         roles = [m["role"] for m in messages if m["role"] != "system"]
         assert roles == ["user", "assistant"] * 3, roles
+
+
+@pytest.mark.parametrize("name", [TINY, "builtin:random-tiny-qwen3.5"])
+def test_the_tools_load_the_very_target_the_job_trains_against(cache, name):
+    """regenerate and evaluate generate with the whole causal LM (`load_causal_lm`): for a random
+    builtin it is drawn as the job draws it: the layers TargetWorker captures, the embedding and the
+    LM head drafter ranks train against."""
+    from dflash_mp.target import load_causal_lm
+
+    path = resolve_target_path(name, cache)
+    cpu = torch.device("cpu")
+    n = load_target_config(path)["num_hidden_layers"]
+    lm = load_causal_lm(path, cpu, torch.float32)
+    embed, head = load_target_head(path, torch.float32, cpu)
+    assert torch.equal(lm.get_input_embeddings().weight, embed)
+    assert torch.equal(lm.get_output_embeddings().weight, head)
+    layer_ids = [1, n - 1]
+    pb = packed([40], 40)
+    with torch.no_grad():
+        states = lm(input_ids=pb.input_ids[None], output_hidden_states=True).hidden_states
+    want = torch.cat([states[i + 1][0] for i in layer_ids], dim=-1)
+    got = TargetWorker.load(path, layer_ids, cpu, torch.float32).forward(pb).hidden
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

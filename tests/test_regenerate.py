@@ -118,3 +118,12 @@ def test_length_sorted_batches_write_what_one_by_one_greedy_writes(tmp_path, cap
     lengths = [w for batch in sorted_widths for w in batch][1:]
     assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) == 9
     assert [len(b) for b in widths] == [1] * 10
+
+
+def test_a_random_builtin_target_regenerates(data, tmp_path, capsys):
+    """The tools take every target.path the job takes: a random-weight builtin (no weight files)
+    generates with the weights the job draws for it."""
+    d, path = data
+    stats = run(path, tmp_path / "out.jsonl", d / "cache", capsys, "target.path=builtin:random-tiny-qwen3")
+    assert stats["written"] == NUM_GOOD
+    assert all(m["content"] for row in read(tmp_path / "out.jsonl") for m in row["messages"])

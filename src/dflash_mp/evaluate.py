@@ -242,13 +242,13 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
 
 
 def evaluate(job, cfg: EvalConfig) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .export import check_export_dir, exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
     from .runtime import resolve
-    from .target import load_target_config, resolve_dtype
+    from .target import load_causal_lm, load_target_config, resolve_dtype
 
     if not cfg.checkpoint:
         raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
@@ -275,7 +275,7 @@ def evaluate(job, cfg: EvalConfig) -> dict:
                     "serves; pass data.chat_template_kwargs=... as it was trained (or serve it that way)",
                     cfg.checkpoint, theirs, ours)
     sim = simulate(job, target_path, tokenizer, target_config, drafter, args, device, dtype, cfg)
-    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+    target = load_causal_lm(target_path, device, dtype)  # the job's target, builtins included
     conversations = _good_conversations(job, tokenizer, target_config["vocab_size"])
     prompts = eval_prompts(conversations, tokenizer, cfg.num_prompts, ours)
     live_report, failures = live(target, Drafter.for_target(drafter, args, target), prompts,

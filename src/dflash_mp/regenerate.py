@@ -159,11 +159,11 @@ class Regenerator:
 
 def regenerate_file(job, cfg: RegenConfig) -> Counter:
     """Regenerate `job.data` into `cfg.out`; returns counters (written, skipped_done, bad/<reason>)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .data.chat import BadRow, ChatEncoder, load_conversations
     from .runtime import resolve
-    from .target import resolve_dtype
+    from .target import load_causal_lm, resolve_dtype
 
     if not cfg.out:
         raise ValueError("out= is missing; name the output jsonl, e.g. out=regenerated.jsonl")
@@ -174,8 +174,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     job = resolve(job)
     path = job.target.path
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(job.target.dtype, device))
-    model.to(device).eval()
+    model = load_causal_lm(path, device, resolve_dtype(job.target.dtype, device))  # builtin targets too
     # Every row is checked as training will read it, but a reply cut in the SOURCE data is no reason to
     # skip the row here: its turns are about to be replaced.
     encoder = ChatEncoder(tok, chat_template_kwargs=job.data.chat_template_kwargs, unfinished="keep_open")

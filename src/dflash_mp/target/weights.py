@@ -163,7 +163,7 @@ def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dt
 
 
 def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str,
-                  first: int = 0, end: int | None = None, keep_norm: bool = True) -> nn.Module:
+                  first: int = 0, end: int | None = None, keep_norm: bool = True, keep_head: bool = False) -> nn.Module:
     """The model of a random-weight target, layers [first, end) only, initialised on `device` (8B:
     seconds on a GPU, where a CPU init takes minutes), seeded without touching the caller's RNG.
 
@@ -204,11 +204,29 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
         layers.append(layer.to(dtype))
     decoder.layers = nn.ModuleList(layers)
     if first == 0:
-        embed, _ = random_target_head(config.to_dict(), seed, device, dtype, with_head=False)
+        embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embed)
+            if keep_head:  # the whole model, for the tools that generate: the head drafters train against
+                model.get_output_embeddings().weight.copy_(head)
+    if keep_head:
+        return model
     strip_to_stage(model, first, end, keep_norm)
     return model
+
+
+def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, attn: str = "sdpa") -> nn.Module:
+    """The whole target as a causal LM with its head (regenerate, evaluate: they generate): a
+    checkpoint's weights, or a random-weight target's, drawn as the training job draws them (same
+    layers as TargetWorker.load, same embedding and head as load_target_head). Eval mode, frozen."""
+    seed = random_init_seed(path)
+    if seed is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    else:
+        model = random_target(path, seed, device, dtype, attn, keep_head=True)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def truncate(model: nn.Module, last_layer: int) -> None:
