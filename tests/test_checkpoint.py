@@ -133,7 +133,8 @@ def _checkpointer_round_trip(rank, world, root):
     with torch.no_grad():
         model.weight.add_(1.0)
     torch.manual_seed(7)
-    dist.barrier()  # the leader commits after the save's barrier: resume only once it has
+    cp.wait()  # the leader writes in the background: on disk once wait() returns
+    dist.barrier()  # resume only once the leader has committed
     step, path = cp.resolve("auto")
     loaded = cp.load(path, model)
     return {"step": step, "loaded": loaded, "redraw_equal": torch.equal(torch.rand(8), after_save),
@@ -152,3 +153,59 @@ def test_checkpointer_round_trip_restores_weights_and_each_ranks_rng(tmp_path):
     assert m["num_steps"] == 10 and m["world_size"] == 2 and m["run_id"] == "r1"
     assert m["files"] == ["drafter.pt", "rng_rank0.pt", "rng_rank1.pt"]
     assert ckpt.Checkpointer(str(tmp_path / "none"), 0, True, None, 2).resolve("") == (0, None)
+
+
+def _background_save(rank, world, root):
+    """The leader's write is slowed: save() returns once the state is copied, training changes the
+    live weights, and the checkpoint still holds the step's; a failed write is raised by wait()."""
+    import time
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    write = ckpt.save_file
+
+    def slow(obj, path):
+        if path.endswith("drafter.pt.part") or path.endswith("drafter.pt"):
+            time.sleep(2.0)
+        write(obj, path)
+
+    ckpt.save_file = slow
+    cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=2, manifest={"world_size": world})
+    t0 = time.monotonic()
+    cp.save(model, 3, 10)
+    returned_s = time.monotonic() - t0
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next steps train on
+    pending = ckpt.resolve_resume("auto", root)
+    cp.wait()
+    dist.barrier()
+    path = ckpt.resolve_resume("auto", root)
+    state = torch.load(os.path.join(path, "drafter.pt"))
+    out = {"returned_s": returned_s, "pending": pending, "path": path, "last_s": cp.last_s,
+           "equal": all(torch.equal(state[k], saved[k]) for k in saved)}
+
+    def boom(obj, path):
+        raise OSError("disk full")
+
+    ckpt.save_file = lambda obj, path: boom(obj, path) if path.endswith("drafter.pt") else write(obj, path)
+    cp.save(model, 4, 10)
+    try:
+        cp.wait()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    ckpt.save_file = write
+    return out
+
+
+def test_checkpoints_are_written_in_the_background_from_a_copy(tmp_path):
+    from dist_utils import run_ranks
+
+    lead, other = run_ranks(_background_save, 2, str(tmp_path), timeout=60)
+    assert lead["returned_s"] < 1.0 and lead["last_s"] >= 2.0  # training went on during a 2 s write
+    assert lead["pending"] is None and other["pending"] is None  # not committed before the write ended
+    assert lead["equal"] and other["equal"] and lead["path"].endswith("step_00000003")
+    assert "disk full" in lead["error"] and other["error"] is None

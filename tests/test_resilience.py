@@ -166,6 +166,46 @@ def test_sigterm_watchdog_ends_a_stuck_rank_after_the_grace_period():
     assert time.monotonic() - t0 < 3.0
 
 
+def _protected_after_sigterm(grace, before_s, during_s):
+    """A protected section of `before_s` before the signal (its duration lengthens the grace), then,
+    after the signal, one of `during_s` (a checkpoint being written) that must not be cut short,
+    then stuck: only the watchdog ends the process."""
+    from dflash_mp.resilience import StopSignal
+
+    stop = StopSignal(grace).install()
+    if before_s:
+        with stop.protect("a checkpoint"):
+            time.sleep(before_s)
+    print("ready", flush=True)
+    stop.event.wait()
+    if during_s:
+        with stop.protect("the final checkpoint"):
+            time.sleep(during_s)
+        print("written", flush=True)
+    while True:
+        time.sleep(0.5)
+
+
+def _signal_and_time(args):
+    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; t._protected_after_sigterm(%s)"
+            % (os.path.dirname(__file__), args))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    return rc, proc.stdout.read(), time.monotonic() - t0
+
+
+def test_a_stop_never_cuts_a_checkpoint_short_and_its_time_lengthens_the_grace():
+    # A 3 s write under way when the 1 s grace runs out: it finishes, then the deadline applies.
+    rc, out, took = _signal_and_time("1.0, 0, 3.0")
+    assert "written" in out and rc == 1 and 3.0 <= took < 6.0, (rc, out, took)
+    # A 2 s checkpoint measured earlier: a stuck rank gets 1 + 2 s, not the bare 1 s.
+    rc, out, took = _signal_and_time("1.0, 2.0, 0")
+    assert rc == 1 and 2.8 <= took < 6.0, took
+
+
 # ----------------------------------------------------------------------- slow: real torchrun runs
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
@@ -336,3 +376,25 @@ def test_sigterm_checkpoints_exits_zero_and_resume_continues(tmp_path):
     for step in range(2, 25, 2):  # rows cover two steps each
         assert seen[step] == {k: want[step - 1][k] + want[step][k] for k in want[step]}, step
     assert os.path.exists(f"{run_dir}/export/model.safetensors")
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_slow_final_checkpoint_waits_for_it_and_exits_zero(tmp_path):
+    """The final checkpoint's write takes 8 s (fault hook), far past train.stop_grace_s=2: SIGTERM
+    in the middle of it still ends with that checkpoint complete, the export written and exit 0."""
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=6", "logging.log_every=2",
+                  "checkpoint.every=2", "train.stop_grace_s=2"]
+    proc = start(3, ov, fault="1:6:slow_checkpoint")  # rank 1: the drafter leader, the final step's write
+    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
+    while not (os.path.exists(log1) and "FAULT slow_checkpoint" in open(log1).read()):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its final checkpoint"
+        time.sleep(0.2)
+    t0 = time.time()
+    signal_workers(proc.pid)
+    rc, out, end = finish(proc, timeout=120)
+    assert rc == 0, out[-6000:]
+    assert end - t0 > 2, "exited before the write could finish"
+    assert ckpt.resolve_resume("auto", f"{run_dir}/checkpoints").endswith("step_00000006")
+    assert os.path.exists(f"{run_dir}/export/model.safetensors")
+    assert "did not stop within" not in out

@@ -12,11 +12,13 @@ moments and step count, "step": int}` (`DrafterTrainer.state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 import zipfile
 from dataclasses import dataclass
@@ -201,6 +203,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def snapshot(obj):
+    """`obj` (a state dict) with every tensor copied to host memory: what a background write reads
+    while training goes on changing the live tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
 class Checkpointer:
     """One drafter rank's side of the checkpoint protocol.
 
@@ -209,28 +223,74 @@ class Checkpointer:
     on every rank); after a barrier over `group` the leader commits the manifest. `state` is anything
     with `state_dict()` / `load_state_dict()` (the `DrafterTrainer`). `manifest`: extra facts recorded
     with every checkpoint (topology, run id); `fault`: tests kill a rank between two files of one save.
+
+    Training does not wait for the write: `save` copies the trainer state to host memory (the only
+    stall) and the leader writes and commits it on a thread of its own; the next `save`, and `wait`,
+    wait for it first. The commit is still the manifest-last rename, so a kill at any moment leaves
+    the previous complete checkpoint the newest. `last_s`: how long the last save took, copy and write.
     """
 
     def __init__(self, root: str, rank: int, leader: bool, group, keep: int, manifest: dict | None = None,
-                 fault=None):
+                 fault=None, guard=None):
         self.root, self.rank, self.leader, self.group, self.keep = root, rank, leader, group, keep
         self.manifest = dict(manifest or {})
         self.fault = fault
+        # guard(what): a context the write runs in (StopSignal.protect: a stop lets it finish).
+        self.guard = guard or (lambda what: contextlib.nullcontext())
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_s = 0.0
 
     def resolve(self, resume: str) -> tuple[int, str | None]:
         return resume_point(resume, self.root)
 
-    def save(self, state, step: int, num_steps: int) -> None:
-        """Collective over `group`: every drafter rank calls it at the same step."""
+    def save(self, state, step: int, num_steps: int, wait: bool = False) -> None:
+        """Collective over `group`: every drafter rank calls it at the same step. Returns once the
+        state is copied (the leader's write goes on in the background), or written with `wait`."""
+        self.wait()
+        t0 = time.monotonic()
         tmp = tmp_dir(self.root, step)
         os.makedirs(tmp, exist_ok=True)
         save_file(get_rng_state(), os.path.join(tmp, rng_file(self.rank)))
         maybe_fault(self.fault, self.rank, step, "checkpoint")
+        data = snapshot(state.state_dict()) if self.leader else None
+        dist.barrier(group=self.group)  # every rank's RNG file is on disk
         if self.leader:
-            save_file(state.state_dict(), os.path.join(tmp, "drafter.pt"))
-        dist.barrier(group=self.group)
-        if self.leader:
-            commit(self.root, step, {"num_steps": num_steps, **self.manifest}, self.keep)
+            manifest = {"num_steps": num_steps, **self.manifest}
+            self._writer = threading.Thread(target=self._write, args=(data, tmp, step, manifest, t0),
+                                            name=f"dflash-checkpoint-{step}", daemon=True)
+            self._writer.start()
+        else:
+            self.last_s = time.monotonic() - t0
+        if wait:
+            self.wait()
+
+    def _write(self, data: dict, tmp: str, step: int, manifest: dict, t0: float) -> None:
+        try:
+            with self.guard(f"writing the checkpoint of step {step}"):
+                maybe_fault(self.fault, self.rank, step, "slow_checkpoint")
+                save_file(data, os.path.join(tmp, "drafter.pt"))
+                commit(self.root, step, manifest, self.keep)
+            self.last_s = time.monotonic() - t0
+            log.info("checkpoint of step %d written in %.1f s", step, self.last_s)
+        except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
+            self._error = e
+
+    def close(self) -> None:
+        """Let a write under way finish (a failing run still leaves its last checkpoint whole)."""
+        try:
+            self.wait()
+        except RuntimeError as e:
+            log.error("%s", e)
+
+    def wait(self) -> None:
+        """Until the last save is on disk; raises what its write raised."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint under {self.root} failed: {error}") from error
 
     def load(self, path: str, state, map_location="cpu") -> int:
         """Restore `state` and this rank's RNG from checkpoint `path`; returns its step."""

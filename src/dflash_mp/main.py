@@ -43,7 +43,8 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                          allow_no_target=job.transport.kind == "files", stages=job.target.stages)
     setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
     quiet_console(rank == topo.drafter_ranks[0])  # one set of progress bars per job, before any model loads
-    stop = StopSignal(job.train.stop_grace_s).install()  # before anything slow: Slurm may signal early
+    # Before anything slow: Slurm may signal early. A checkpoint under way holds the exit back up to its bound.
+    stop = StopSignal(job.train.stop_grace_s, job.liveness.checkpointing_s).install()
     device = pick_device(local_rank)
     timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -79,6 +80,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                          res.tokenizer, res.dtype, live=live, stop=stop, run_id=run_id)
         (run_target if topo.role == "target" else run_drafter)(ctx)
         live.done()
+        stop.finished()  # a signal during the teardown has nothing left to stop: exit 0
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
         if peer_error(e):
             # A peer's death is often seen first as a closed connection: give the watcher the

@@ -11,8 +11,11 @@
   post it asynchronously at the top of step `c` and wait for it only at the top of step
   `c + log_every`, so the check never drains the target -> drafter pipeline. The check is a
   host-side gloo collective on a CPU tensor: no CUDA synchronisation on GPU.
-* Grace: from the first SIGTERM a watchdog thread gives the process `train.stop_grace_s`; a rank
-  still running then (stuck in a collective, a hung peer) logs and `os._exit(1)`s. The watchdog hears
+* Grace: from the first SIGTERM a watchdog thread gives the process `train.stop_grace_s` plus the
+  longest checkpoint it has measured so far; a rank still running then (stuck in a collective, a hung
+  peer) logs and `os._exit(1)`s. A checkpoint or export under way (`StopSignal.protect`) is never cut
+  short: the deadline waits for it to end (up to `liveness.checkpointing_s`), so a stop at any
+  moment ends with the newest complete checkpoint on disk and exit 0. The watchdog hears
   the signal through `signal.set_wakeup_fd`, so it fires even while the main thread sits inside a
   C++ collective that never returns to Python.
 * Fast failure: a rank whose role raises logs the error naming itself, records it for torchrun, and
@@ -22,7 +25,8 @@
   first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0), at step `<step>`:
   `kill`       SIGKILL itself at the top of 0-based step `<step>` (after `<step>` steps are done);
   `checkpoint` SIGKILL itself while writing the checkpoint of step `<step>`, between two files;
-  `hang`       stop at the top of step `<step>` and sleep forever (alive, silent).
+  `hang`       stop at the top of step `<step>` and sleep forever (alive, silent);
+  `slow_checkpoint` the leader's write of the checkpoint of step `<step>` takes 8 s longer.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "DFLASH_MP_FAULT"
-FAULT_ACTIONS = ("kill", "checkpoint", "hang")
+FAULT_ACTIONS = ("kill", "checkpoint", "hang", "slow_checkpoint")
 
 
 def restart_count() -> int:
@@ -92,18 +96,58 @@ def maybe_fault(fault: Fault | None, rank: int, step: int, action: str) -> None:
     if action == "hang":
         while True:  # alive but silent: only a signal's watchdog or SIGKILL ends this
             time.sleep(60)
+    if action == "slow_checkpoint":  # the leader's write of this step's checkpoint takes this long
+        time.sleep(SLOW_CHECKPOINT_S)
+        return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+SLOW_CHECKPOINT_S = 8.0
 
 
 # --------------------------------------------------------------------------------- graceful stop
 class StopSignal:
     """SIGTERM -> `requested`; from then on the process has `grace_s` to exit on its own."""
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, max_protected_s: float = 1800.0):
         self.grace_s = grace_s
+        self.max_protected_s = max_protected_s  # the longest a protected section may hold the exit back
         self.event = threading.Event()
         self.received_at: float | None = None
         self._rfd = self._wfd = None
+        self._lock = threading.Lock()
+        self._protected: dict[int, tuple[str, float]] = {}  # id -> (what, since)
+        self.work_s = 0.0  # the longest protected section so far (a checkpoint, an export)
+        self._finished = False
+
+    @contextlib.contextmanager
+    def protect(self, what: str):
+        """A section a stop must let finish (a checkpoint's write, the export): the watchdog's
+        deadline waits for it, and its duration lengthens the grace of later stops."""
+        key, t0 = object(), time.monotonic()
+        with self._lock:
+            self._protected[id(key)] = (what, t0)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._protected[id(key)]
+                self.work_s = max(self.work_s, time.monotonic() - t0)
+
+    def finished(self) -> None:
+        """The rank's work is done (checkpoint and export on disk): a signal from now on has nothing
+        to stop. SIGTERM/SIGINT are ignored (Python resets its own handlers to the default at
+        interpreter exit, so a signal during a slow teardown would kill a finished rank with -15),
+        and a watchdog already counting ends the process with 0."""
+        self._finished = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def deadline_s(self) -> float:
+        """Seconds after the signal the process may take: the configured grace plus the longest
+        checkpoint measured (the stop writes one more)."""
+        return self.grace_s + self.work_s
 
     @property
     def requested(self) -> bool:
@@ -133,14 +177,28 @@ class StopSignal:
             got = [s for s in wanted if s in data]
             if got:
                 break
-        self.received_at = time.monotonic()
+        self.received_at = t0 = time.monotonic()
         self.event.set()
-        log.warning("%s: stopping at the next agreed step with a checkpoint; hard exit in %.0f s",
-                    signal.Signals(got[0]).name, self.grace_s)
+        log.warning("%s: stopping at the next agreed step with a checkpoint; hard exit in %.0f s "
+                    "(train.stop_grace_s=%.0f + %.0f s measured for a checkpoint), later while one is written",
+                    signal.Signals(got[0]).name, self.deadline_s(), self.grace_s, self.work_s)
         threading.Thread(target=self._second_interrupt, name="dflash-second-sigint", daemon=True).start()
-        time.sleep(self.grace_s)
-        log.error("did not stop within train.stop_grace_s=%.0f s after the signal (stuck on a peer?): exiting",
-                  self.grace_s)
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                busy = sorted(self._protected.values(), key=lambda x: x[1])
+            if busy and now - busy[0][1] < self.max_protected_s:
+                continue  # a checkpoint or export under way: cutting it short would lose it
+            if now - t0 > self.deadline_s():
+                break
+        if self._finished:
+            log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
+            _flush()
+            os._exit(0)
+        what = f" ({busy[0][0]} for {now - busy[0][1]:.0f} s)" if busy else ""
+        log.error("did not stop within %.0f s after the signal%s (stuck on a peer?): exiting",
+                  now - t0, what)
         _flush()
         os._exit(1)
 

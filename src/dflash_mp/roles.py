@@ -290,12 +290,13 @@ class DrafterRun(_RoleRun):
         self.checkpointer = ckpt.Checkpointer(
             ctx.ckpt_root, topo.rank, lead, topo.drafter_cpu_group, job.checkpoint.keep,
             {"world_size": topo.world_size, "target_ranks": list(topo.target_ranks), "run_id": ctx.run_id},
-            self.fault)
+            self.fault, guard=self.protect)
         self.start, path = self.checkpointer.resolve(effective_resume(job.checkpoint.resume))
         if path is not None:
             self.checkpointer.load(path, self.trainer, map_location=ctx.device)
             log.info("resumed from %s at step %d", path, self.start)
         with ExitStack() as stack:
+            stack.callback(self.checkpointer.close)  # last: a write under way finishes
             live.phase("starting", "transport")
             self.receiver = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
             stack.callback(self.receiver.close)
@@ -332,7 +333,7 @@ class DrafterRun(_RoleRun):
                 end = done
                 break
             if every and done % every == 0 and done < self.num_steps:
-                with self.live.during("checkpointing", f"step {done}"):
+                with self.live.during("checkpointing", f"step {done}"):  # the copy; the write goes on behind
                     self.checkpointer.save(self.trainer, done, self.num_steps)
         self.finish(end)
 
@@ -395,13 +396,19 @@ class DrafterRun(_RoleRun):
         log.info("compile: %d graphs, %d recompiles after warm-up, %d CUDA graph recordings (mode %s)",
                  c["graphs"], self.metrics.recompiles(), c["cudagraph_records"], self.trainer.mode)
         self.live.phase("checkpointing", f"step {end}")
-        self.checkpointer.save(self.trainer, end, self.num_steps)
-        if end < self.num_steps:
-            log.warning("stopped at step %d of %d (SIGTERM) with a checkpoint; continue with "
-                        "checkpoint.resume=auto", end, self.num_steps)
-            return
-        if self.lead:
-            self.export()
+        with self.protect("the final checkpoint and export"):  # a stop now waits for them: exit 0
+            self.checkpointer.save(self.trainer, end, self.num_steps, wait=True)
+            log.info("final checkpoint of step %d written in %.1f s", end, self.checkpointer.last_s)
+            if end < self.num_steps:
+                log.warning("stopped at step %d of %d (SIGTERM) with a checkpoint; continue with "
+                            "checkpoint.resume=auto", end, self.num_steps)
+                return
+            if self.lead:
+                self.export()
+
+    def protect(self, what: str):
+        """A section a stop lets finish (resilience.StopSignal.protect)."""
+        return self.ctx.stop.protect(what) if self.ctx.stop is not None else contextlib.nullcontext()
 
     def export(self) -> None:
         job, out = self.ctx.job, os.path.join(self.ctx.job.run_dir, "export")
