@@ -27,13 +27,7 @@ export OUT
 mkdir -p "$PIPE"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-step() {  # step NAME SECONDS CMD...: run with a limit, log, say how it ended
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    echo "== $name" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name rc $? in $((SECONDS - t)) s (at $((SECONDS - t0)) s)" | tee -a "$LOG"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 warm_jobs=()
 if has warm; then  # throw-away runs whose only product is the Inductor cache (for the parts asked for)
     W=$(mktemp -d)

@@ -22,13 +22,7 @@ PARTS=${*:-tests job27}
 mkdir -p "$W" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-step() {  # step NAME SECONDS CMD...: run with a limit, log, say how it ended
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    echo "== $name" >> "$LOG"
-    timeout -k 30 "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name rc $? in $((SECONDS - t)) s (at $((SECONDS - t0)) s)" | tee -a "$LOG"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 job() {  # job NAME SECONDS OVERRIDES...: the training job, 1 target + 1 drafter on the GPU
     local name=$1 limit=$2
     shift 2

@@ -20,14 +20,11 @@ LOG="$OUT/run_multigpu.log"
 mkdir -p "$WORK" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-step() {  # step NAME SECONDS CMD...
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    echo "== $name" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    local rc=$?
-    echo "== $name rc $rc in $((SECONDS - t)) s (at $((SECONDS - t0)) s)" | tee -a "$LOG"
-    echo "{\"name\": \"$name\", \"rc\": $rc, \"wall_s\": $((SECONDS - t))}" >> "$WORK/rc.jsonl"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+step_json() {  # step_json NAME SECONDS CMD...: step, and its rc and wall time into $WORK/rc.jsonl
+    local name=$1 t=$SECONDS
+    step "$@"
+    echo "{\"name\": \"$name\", \"rc\": $STEP_RC, \"wall_s\": $((SECONDS - t))}" >> "$WORK/rc.jsonl"
 }
 DATA="$WORK/long_chats.jsonl"
 [ -f "$DATA" ] || python3 -m dflash_mp.builtin make-data make_data.out="$DATA" make_data.num=600 make_data.turns=48 \
@@ -38,17 +35,17 @@ job() {  # job NAME LIMIT NPROC [OVERRIDES...]: one production run, its dir kept
     local name=$1 limit=$2 n=$3
     shift 3
     rm -rf "$WORK/$name"
-    step "$name" "$limit" torchrun --standalone --nproc-per-node "$n" -m dflash_mp.main "${JOB[@]}" \
+    step_json "$name" "$limit" torchrun --standalone --nproc-per-node "$n" -m dflash_mp.main "${JOB[@]}" \
         run_dir="$WORK/$name" "$@"
     cp "$WORK/$name"/tb/drafter/scalars.jsonl "$OUT/${name}_drafter.jsonl" 2>/dev/null
 }
 if has tests; then
-    step gpu_tests "${T_TESTS:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_multigpu.py \
+    step_json gpu_tests "${T_TESTS:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_multigpu.py \
         tests/test_transport_p2p.py
 fi
 if has ring; then
     for kind in p2p shm; do
-        step "ring_$kind" 120 torchrun --standalone --nproc-per-node 2 bench/ring.py --kind "$kind" --batches 100
+        step_json "ring_$kind" 120 torchrun --standalone --nproc-per-node 2 bench/ring.py --kind "$kind" --batches 100
     done
 fi
 if has cold; then
@@ -67,8 +64,8 @@ if has splits; then
     done
 fi
 if has plan; then
-    step plan_estimate 60 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2
-    step plan_measure 240 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2 plan.measure=true
+    step_json plan_estimate 60 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2
+    step_json plan_measure 240 python3 -m dflash_mp.plan experiment=qwen3_8b plan.world_size=2 plan.measure=true
 fi
 python3 bench/splits.py "$WORK" | tee "$OUT/splits.txt"
 grep -E "^(transport|p2p|shm) " -A0 "$LOG" | cut -c1-120

@@ -13,13 +13,7 @@ W=${W:-/tmp/dflash_stages}
 LOG="$OUT/stages.log"
 mkdir -p "$OUT" "$W"
 t0=$SECONDS
-step() {  # step NAME SECONDS CMD...: run with a limit, log, say how it ended
-    local name=$1 limit=$2 t=$SECONDS
-    shift 2
-    echo "== $name" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name rc $? in $((SECONDS - t)) s (at $((SECONDS - t0)) s)" | tee -a "$LOG"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 python3 -m dflash_mp.builtin make-data make_data.out="$W/long_chats.jsonl" make_data.num=600 make_data.turns=48 \
     make_data.seed=1 >> "$LOG" 2>&1
 JOB="experiment=qwen3_8b target.path=builtin:random-qwen3-8b target.compile=${TARGET_COMPILE:-false}
