@@ -172,3 +172,23 @@ def _bar_on(init, stream):
         kwargs["file"] = stream
         return init(self, *args, **kwargs)
     return wrapped
+
+
+def test_a_step_far_slower_than_its_kind_is_warned_with_where_its_time_went(caplog):
+    """After 20 steps, one over 5x the median of its kind is logged naming its largest phase; 4x
+    is not; logging steps are measured against logging steps (on a GPU they absorb the interval)."""
+    import logging
+
+    from dflash_mp.metrics import Hiccups
+
+    h = Hiccups()
+    with caplog.at_level(logging.WARNING, logger="dflash_mp.metrics"):
+        for step in range(40):
+            logs = step % 10 == 9
+            parts = {"waiting for data": 0.01, **({"logging": 0.9} if logs else {})}
+            assert h.check(step, 1.0 if logs else 0.1, parts) is None  # a logging step: its kind's usual
+        assert h.check(40, 0.4, {"waiting for data": 0.3}) is None
+        msg = h.check(41, 0.6, {"waiting for data": 0.5})
+    assert msg == "step 41 took 0.60 s, 6.0x the median 0.100 s: 0.50 s of it waiting for data"
+    assert h.check(42, 0.55, {"waiting for data": 0.01}).endswith("0.54 s of it the training step")
+    assert caplog.text.count("x the median") == 2

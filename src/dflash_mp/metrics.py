@@ -7,9 +7,11 @@ accumulators and FLOP model: the run loop calls `update` per step and `flush` at
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -344,6 +346,34 @@ class Timer:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+class Hiccups:
+    """Steps that take far longer than the usual one, warned with where their time went: after
+    `min_steps` steps of the same kind, one over `factor` x their median (of the last `window`) is
+    logged. Steps that log are their own kind: on a GPU the host runs ahead of the device between
+    them and waits for it there, so a logging step's host time is the interval's, not a step's."""
+
+    def __init__(self, factor: float = 5.0, window: int = 200, min_steps: int = 20):
+        self.factor, self.min_steps, self.window = factor, min_steps, window
+        self.times: dict[tuple, collections.deque[float]] = {}
+
+    def check(self, step: int, total_s: float, parts: dict[str, float]) -> str | None:
+        """`parts`: seconds of the step's known phases (waiting for data, logging, checkpointing);
+        the rest is the training step itself. Returns the warning, if one was logged."""
+        msg = None
+        times = self.times.setdefault(tuple(sorted(k for k in parts if k != "waiting for data")),
+                                      collections.deque(maxlen=self.window))
+        if len(times) >= self.min_steps:
+            median = statistics.median(times)
+            if total_s > self.factor * median:
+                phases = {**parts, "the training step": total_s - sum(parts.values())}
+                name, spent = max(phases.items(), key=lambda kv: kv[1])
+                msg = (f"step {step} took {total_s:.2f} s, {total_s / median:.1f}x the median {median:.3f} s: "
+                       f"{spent:.2f} s of it {name}")
+                log.warning(msg)
+        times.append(total_s)
+        return msg
 
 
 class DrafterMetrics:

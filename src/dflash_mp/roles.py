@@ -30,7 +30,7 @@ from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
 from .liveness import Liveness, NullLiveness, process_age_s
-from .metrics import DrafterMetrics, Progress, TargetMetrics, make_writer, quiet_console
+from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
 from .stages import StagePlan, plan_stages
 from .target import TargetSpec
@@ -319,6 +319,7 @@ class DrafterRun(_RoleRun):
                                           job.data.seq_len, job.drafter.num_anchors, job.logging.peak_tflops,
                                           ctx.device, self.start)
             self.metrics.mark_warm()  # also starts counting CUDA graph recordings
+            self.hiccups = Hiccups()
             self.agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, self.start, self.num_steps,
                                        ctx.live)
             self._stack = stack.pop_all()  # from here close() owns them
@@ -328,16 +329,22 @@ class DrafterRun(_RoleRun):
         end = self.num_steps
         for step in range(self.start, self.num_steps):
             done = step + 1
-            self.train_step(step)
+            t0 = time.perf_counter()
+            parts = self.train_step(step)
             if self.agree.drafter_after(done):  # SIGTERM somewhere: stop here with a checkpoint
                 end = done
                 break
             if every and done % every == 0 and done < self.num_steps:
+                tc = time.perf_counter()
                 with self.live.during("checkpointing", f"step {done}"):  # the copy; the write goes on behind
                     self.checkpointer.save(self.trainer, done, self.num_steps)
+                parts["checkpointing"] = time.perf_counter() - tc
+            if done - self.start > WARMUP_STEPS:
+                self.hiccups.check(done, time.perf_counter() - t0, parts)
         self.finish(end)
 
-    def train_step(self, step: int) -> None:
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step; returns the seconds of its phases that are not the step itself (for Hiccups)."""
         rank, done = self.ctx.topo.rank, step + 1
         self.live.step(step)
         self.live.phase("training")
@@ -345,7 +352,8 @@ class DrafterRun(_RoleRun):
         maybe_fault(self.fault, rank, step, "hang")
         tw = time.perf_counter()
         hb = self.receiver.recv(self.ctx.topo.source_for_step(rank, step))
-        self.metrics.update(hb, time.perf_counter() - tw)
+        parts = {"waiting for data": time.perf_counter() - tw}
+        self.metrics.update(hb, parts["waiting for data"])
         logs = done % self.ctx.job.logging.log_every == 0 or done == self.num_steps
         if done - self.start <= WARMUP_STEPS:  # compiles, autotunes, records graphs: busy, not silent
             first = done == self.start + 1
@@ -369,8 +377,11 @@ class DrafterRun(_RoleRun):
         else:
             lr = self.trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
         if logs:
+            tl = time.perf_counter()
             self.receiver.verify()
             self.metrics.flush(done, self.trainer, lr, final=done == self.num_steps)
+            parts["logging"] = time.perf_counter() - tl
+        return parts
 
     def node_compile(self) -> compile_cache.SharedCompile:
         """The first drafter rank of each node compiles; the node's other drafter ranks load its graphs."""
