@@ -15,6 +15,10 @@ DRAFTERS = {
     # Qwen3-8B target: 5 drafter layers, hidden 4096, 32/8 heads of 128, K=5 target layers.
     "qwen3_8b": dict(hidden=4096, inter=12288, layers=5, heads=32, kv=8, head_dim=128, vocab=151936,
                      k=5, seq_len=3072, anchors=512, block=16),
+    # Qwen3.5-27B target: its 1.7B drafter (conf/drafter/qwen3_5_27b.yaml), four sliding layers and a full one.
+    "qwen3_5_27b": dict(hidden=5120, inter=17408, layers=5, heads=32, kv=8, head_dim=128, vocab=248320,
+                        k=5, seq_len=3072, anchors=512, block=16, chunk=2048,
+                        layer_types=["sliding_attention"] * 4 + ["full_attention"], window=2048),
     # A ~0.6B target (Qwen3-0.6B shapes): launch-bound, where CUDA graphs must pay.
     "qwen3_0p6b": dict(hidden=1024, inter=3072, layers=2, heads=16, kv=8, head_dim=128, vocab=151936,
                        k=5, seq_len=2048, anchors=512, block=16),

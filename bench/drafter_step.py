@@ -61,7 +61,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     args = DrafterArgs(hidden_size=p["hidden"], intermediate_size=p["inter"], num_layers=p["layers"],
                        num_heads=p["heads"], num_kv_heads=p["kv"], head_dim=p["head_dim"], vocab_size=p["vocab"],
                        target_layer_ids=list(range(1, 1 + p["k"])), block_size=p["block"],
-                       mask_token_id=p["vocab"] - 1)
+                       mask_token_id=p["vocab"] - 1, layer_types=p.get("layer_types"),
+                       sliding_window=p.get("window"))
     with torch.device(device):
         drafter = DFlashDrafter(args)
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -69,7 +70,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
     head = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
-                        max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention, **tiles)
+                        max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention,
+                        layer_types=p.get("layer_types"), sliding_window=p.get("window"), **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",

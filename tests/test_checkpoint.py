@@ -209,3 +209,20 @@ def test_checkpoints_are_written_in_the_background_from_a_copy(tmp_path):
     assert lead["pending"] is None and other["pending"] is None  # not committed before the write ended
     assert lead["equal"] and other["equal"] and lead["path"].endswith("step_00000003")
     assert "disk full" in lead["error"] and other["error"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked snapshots of CUDA tensors")
+def test_snapshot_into_reused_pinned_buffers_is_a_copy_of_that_moment():
+    from dflash_mp.checkpoint import snapshot
+
+    state = {"w": torch.randn(1000, device="cuda"), "opt": [torch.arange(5, device="cuda"), 3]}
+    pinned = {}
+    first = snapshot(state, pinned)
+    torch.cuda.synchronize()
+    want = first["w"].clone()
+    assert first["w"].is_pinned() and torch.equal(want, state["w"].cpu()) and first["opt"][1] == 3
+    state["w"].add_(1)  # training goes on: the snapshot does not move
+    assert torch.equal(first["w"], want)
+    second = snapshot(state, pinned)
+    torch.cuda.synchronize()
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], want + 1)

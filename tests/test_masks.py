@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
+from dflash_mp.block_mask import build_block_mask
 from dflash_mp.model.attention import BlockAttention, build_block_attention, make_mask_mod
 
 
@@ -183,10 +184,30 @@ def test_build_block_attention_builds_one_mask_per_kind():
         build_block_attention(anchors, valid, doc_ids, 8, backend="triton")
 
 
-def test_compiled_create_block_mask_does_not_recompile_across_steps():
-    """New anchors and doc ids every step (same shapes): one compile per mask kind, then none."""
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("B,window,S", [(8, None, 16), (10, 4, 16), (16, None, 16), (16, 7, (16, 32)), (16, None, 128)])
+def test_build_block_mask_equals_create_block_mask_field_by_field(B, window, S):
+    """Ragged lengths included (Q=88 in tiles of 16, KV=224 in tiles of 128); B=16 in tiles of 16 has
+    full tiles (each block's own keys), which the kernel runs without the mask_mod."""
+    anchors, valid, doc_ids = make_case(B, 3)
+    T, Q = doc_ids.shape[0], anchors.shape[0] * B
+    mask_mod = make_mask_mod(anchors, valid, doc_ids, T, B, window)
+    want = create_block_mask(mask_mod, None, None, Q, T + Q, device="cpu", BLOCK_SIZE=S)
+    got = build_block_mask(mask_mod, Q, T + Q, "cpu", S)
+    for field in BLOCK_MASK_FIELDS:
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths
+    assert got.mask_mod is mask_mod
+    if (B, window, S) == (16, None, 16):
+        assert int(want.full_kv_num_blocks.sum()) >= Q // S
+
+
+def test_compiled_block_mask_does_not_recompile_across_steps():
+    """New anchors and doc ids every step (same shapes): one compile, then none, for both mask kinds."""
     torch._dynamo.reset()
-    compiled = torch.compile(create_block_mask, dynamic=False)
     T, A, B = 48, 4, 8
     Q = A * B
 
@@ -196,9 +217,10 @@ def test_compiled_create_block_mask_does_not_recompile_across_steps():
         anchors = torch.sort(torch.randint(0, T, (A,), generator=g)).values
         valid = torch.rand(A, generator=g) > 0.3
         mask_mod = make_mask_mod(anchors, valid, doc_ids, T, B, window)
-        got = compiled(mask_mod, None, None, Q, T + Q, device="cpu", BLOCK_SIZE=16)
+        got = build_block_mask(mask_mod, Q, T + Q, "cpu", 16, compiled=True)
         want = create_block_mask(mask_mod, None, None, Q, T + Q, device="cpu", BLOCK_SIZE=16)
-        assert torch.equal(got.to_dense(), want.to_dense())
+        for field in BLOCK_MASK_FIELDS:
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
 
     step(0, None)
     step(1, 5)

@@ -206,6 +206,34 @@ def test_a_stop_never_cuts_a_checkpoint_short_and_its_time_lengthens_the_grace()
     assert rc == 1 and 2.8 <= took < 6.0, took
 
 
+def _peer_checkpointing_after_sigterm(grace, peer_s):
+    """Stuck after the signal while a peer (as liveness reports it) writes a checkpoint for `peer_s`."""
+    from dflash_mp.resilience import StopSignal
+
+    stop = StopSignal(grace).install()
+    until = []
+    stop.peers_busy = lambda: ["drafter rank 1 [checkpointing (step 6) for 3 s]"] if time.monotonic() < until[0] else []
+    print("ready", flush=True)
+    stop.event.wait()
+    until.append(time.monotonic() + peer_s)
+    while True:
+        time.sleep(0.5)
+
+
+def test_a_rank_outlives_its_grace_while_a_peer_writes_its_checkpoint():
+    """A target waiting at the stop for its drafter's checkpoint is not cut off by its own grace."""
+    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; t._peer_checkpointing_after_sigterm(1.0, 4.0)"
+            % os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    took, err = time.monotonic() - t0, proc.stderr.read()
+    assert rc == 1 and 4.0 <= took < 7.0, (took, err)  # then stuck for real: the watchdog ends it
+    assert "grace over, but drafter rank 1 [checkpointing" in err, err
+
+
 # ----------------------------------------------------------------------- slow: real torchrun runs
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
@@ -398,3 +426,25 @@ def test_sigterm_during_a_slow_final_checkpoint_waits_for_it_and_exits_zero(tmp_
     assert ckpt.resolve_resume("auto", f"{run_dir}/checkpoints").endswith("step_00000006")
     assert os.path.exists(f"{run_dir}/export/model.safetensors")
     assert "did not stop within" not in out
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero(tmp_path):
+    """The stop lands a few steps after the signal, and on its way the drafter's checkpoint at step 6
+    waits 8 s for the write of step 4 (fault hook): the target, blocked on the drafter meanwhile, outlives
+    its own 2 s grace while liveness shows the drafter checkpointing, and every rank exits 0."""
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12", "logging.log_every=2",
+                  "checkpoint.every=2", "train.stop_grace_s=2"]
+    proc = start(3, ov, fault="1:4:slow_checkpoint")
+    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
+    while not (os.path.exists(log1) and "FAULT slow_checkpoint" in open(log1).read()):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.2)
+    signal_workers(proc.pid)
+    rc, out, _ = finish(proc, timeout=120)
+    assert rc == 0, out[-6000:]
+    assert "did not stop within" not in out
+    assert "grace over, but drafter rank" in out, out[-6000:]
+    newest = ckpt.resolve_resume("auto", f"{run_dir}/checkpoints")
+    assert int(newest.rsplit("_", 1)[1]) >= 6 and "stopped at step" in out

@@ -203,15 +203,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def snapshot(obj):
+def snapshot(obj, pinned: dict | None = None, key: tuple = ()):
     """`obj` (a state dict) with every tensor copied to host memory: what a background write reads
-    while training goes on changing the live tensors."""
+    while training goes on changing the live tensors. With `pinned` (a dict kept across calls), GPU
+    tensors go into page-locked buffers reused from one checkpoint to the next: one DMA at ~20 GB/s
+    instead of pageable copies at ~2 GB/s (an 8B drafter's 17 GB state: 9 s of training paused)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        t = obj.detach()
+        if pinned is None or t.device.type != "cuda":
+            return t.to("cpu", copy=True)
+        buf = pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf.copy_(t, non_blocking=True)  # the caller synchronises once, after all of them
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
+        return {k: snapshot(v, pinned, key + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
+        return type(obj)(snapshot(v, pinned, key + (i,)) for i, v in enumerate(obj))
     return obj
 
 
@@ -240,6 +248,8 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_s = 0.0
+        self.stall_s = 0.0  # how long the last save held training up (the host copy)
+        self._pinned: dict = {}  # host buffers of the snapshot, reused by every save (its write is over by then)
 
     def resolve(self, resume: str) -> tuple[int, str | None]:
         return resume_point(resume, self.root)
@@ -253,9 +263,16 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         save_file(get_rng_state(), os.path.join(tmp, rng_file(self.rank)))
         maybe_fault(self.fault, self.rank, step, "checkpoint")
-        data = snapshot(state.state_dict()) if self.leader else None
-        dist.barrier(group=self.group)  # every rank's RNG file is on disk
+        data = None
         if self.leader:
+            data = snapshot(state.state_dict(), self._pinned)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies into the pinned buffers are done
+        dist.barrier(group=self.group)  # every rank's RNG file is on disk
+        self.stall_s = time.monotonic() - t0  # what training waits for: the host copy, not the write
+        if self.leader:
+            log.info("checkpoint of step %d: training paused %.2f s for the host copy; written behind it",
+                     step, self.stall_s)
             manifest = {"num_steps": num_steps, **self.manifest}
             self._writer = threading.Thread(target=self._write, args=(data, tmp, step, manifest, t0),
                                             name=f"dflash-checkpoint-{step}", daemon=True)

@@ -50,3 +50,18 @@ def counts() -> dict[str, int]:
 
     _install()
     return {"graphs": int(counters["stats"]["unique_graphs"]), "cudagraph_records": _RECORDS[0]}
+
+
+def cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache and AOTAutograd's cache so far: {"fx_hit", "fx_miss", "aot_hit",
+    "aot_miss"} (a miss is a graph compiled here; a hit one looked up, e.g. in loaded artifacts)."""
+    from torch._dynamo.utils import counters
+
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fx_hit": int(ind["fxgraph_cache_hit"]), "fx_miss": int(ind["fxgraph_cache_miss"]),
+            "aot_hit": int(aot["autograd_cache_hit"]), "aot_miss": int(aot["autograd_cache_miss"])}
+
+
+def describe_cache(c: dict[str, int]) -> str:
+    return (f"{c['fx_hit']} FX graphs looked up, {c['fx_miss']} compiled; AOTAutograd {c['aot_hit']} looked up, "
+            f"{c['aot_miss']} compiled")

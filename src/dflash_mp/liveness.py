@@ -113,6 +113,7 @@ class Liveness:
         self._seen: dict[int, tuple[int, float, int]] = {}  # rank -> (count, when it changed, my ticks)
         self._ticks = 0
         self._present: set[int] = set()
+        self._beats: dict[int, dict | None] = {}  # every rank's last beat, as the watcher last read them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -177,6 +178,14 @@ class Liveness:
         except Exception:  # noqa: BLE001 - the store may be gone with the agent
             pass
 
+    def peers_in(self, phase: str) -> list[str]:
+        """The other ranks whose last beat puts them in `phase` (e.g. checkpointing), described.
+        Any thread: a stop's watchdog asks it before ending a rank that waits for them."""
+        with self._lock:
+            beats = dict(self._beats)
+        return [self.describe(r, b) for r, b in sorted(beats.items())
+                if r != self.rank and b is not None and b["phase"] == phase]
+
     # ----------------------------------------------------------------------------- the thread
     def _payload(self) -> dict:
         now = time.monotonic()
@@ -200,6 +209,8 @@ class Liveness:
             except Exception as e:  # noqa: BLE001 - the store is gone: the agent is tearing down
                 log.debug("liveness: store unreachable (%s)", e)
                 continue
+            with self._lock:
+                self._beats = beats
             now = time.monotonic()
             problem = self.check(beats, now, now - last)
             last = now

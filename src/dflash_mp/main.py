@@ -67,6 +67,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     names = {r: topo.name(r) for r in range(world)}
     live = Liveness(watcher_store(datetime.timedelta(seconds=60)), rank, world, names, job.liveness,
                     job.transport.timeout_s).start()
+    stop.peers_busy = lambda: live.peers_in("checkpointing")  # a stop waits for the drafters' last checkpoint
     try:
         init_distributed(job, topo, device, backend, live, store, timeout)
         if rank == 0:

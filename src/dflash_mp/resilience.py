@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,9 @@ class StopSignal:
         self._lock = threading.Lock()
         self._protected: dict[int, tuple[str, float]] = {}  # id -> (what, since)
         self.work_s = 0.0  # the longest protected section so far (a checkpoint, an export)
+        # Other ranks still writing a checkpoint (Liveness.peers_in): a rank that waits for them at
+        # the stop (a target for its drafters) waits as long as they write, not just its own grace.
+        self.peers_busy: Callable[[], list[str]] = lambda: []
         self._finished = False
 
     @contextlib.contextmanager
@@ -183,6 +187,7 @@ class StopSignal:
                     "(train.stop_grace_s=%.0f + %.0f s measured for a checkpoint), later while one is written",
                     signal.Signals(got[0]).name, self.deadline_s(), self.grace_s, self.work_s)
         threading.Thread(target=self._second_interrupt, name="dflash-second-sigint", daemon=True).start()
+        noted = False
         while True:
             time.sleep(0.2)
             now = time.monotonic()
@@ -191,7 +196,12 @@ class StopSignal:
             if busy and now - busy[0][1] < self.max_protected_s:
                 continue  # a checkpoint or export under way: cutting it short would lose it
             if now - t0 > self.deadline_s():
-                break
+                peers = self.peers_busy() if now - t0 < self.deadline_s() + self.max_protected_s else []
+                if not peers:
+                    break
+                if not noted:  # once: why this rank outlives its grace
+                    noted = True
+                    log.warning("grace over, but %s: waiting for it", "; ".join(peers))
         if self._finished:
             log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
             _flush()

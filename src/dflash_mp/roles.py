@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import compile_cache, compile_output
+from .compile_stats import cache_counts, describe_cache
 from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
@@ -372,7 +373,9 @@ class DrafterRun(_RoleRun):
                     compile_cache.save(self.cache_path)
             if done == self.start + 1:
                 startup_s = process_age_s()
-                log.info("first drafter step done %.1f s after the process started", startup_s)
+                log.info("first drafter step done %.1f s after the process started (its batch came after %.1f s; "
+                         "%s)", startup_s, startup_s - (time.perf_counter() - tw - parts["waiting for data"]),
+                         describe_cache(cache_counts()))
                 self.writer.add_scalar("time/startup_s", startup_s, done)
         else:
             lr = self.trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes

@@ -6,7 +6,7 @@ Layout of one packed row: queries are the `A*B` block tokens (query `i*B + k` is
 path (CUDA) cannot drift apart:
 
 - `dense`: `create_mask` -> boolean `[1, 1, Q, KV]` -> `scaled_dot_product_attention`.
-- `flex`: `create_block_mask` -> `BlockMask` -> `flex_attention`, compiled once per process.
+- `flex`: `build_block_mask` -> `BlockMask` -> `flex_attention`, compiled once per process.
 
 The `mask_mod` closes over tensors and per-run ints only (`T`, `B`, the window). A per-step Python
 int in the closure would become a Dynamo guard and recompile every step.
@@ -19,13 +19,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    create_block_mask,
-    create_mask,
-    flex_attention,
-)
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
+from dflash_mp.block_mask import build_block_mask
 from dflash_mp.options import resolve_auto
 
 FULL_ATTENTION = "full_attention"
@@ -154,11 +150,8 @@ def build_block_attention(
         mask_mod = make_mask_mod(anchors, anchor_valid, doc_ids, T, block_size, window)
         if backend == "dense":
             return create_mask(mask_mod, 1, 1, q_len, kv_len, device)
-        make = create_block_mask
-        if device.type == "cuda":
-            make = _compiled_fn("create_block_mask", create_block_mask)
         size = flex_block_size if isinstance(flex_block_size, int) else tuple(flex_block_size)
-        return make(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=size)
+        return build_block_mask(mask_mod, q_len, kv_len, device, size)
 
     if SLIDING_ATTENTION in kinds and sliding_window is None:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set it")

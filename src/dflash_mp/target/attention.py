@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from ..block_mask import build_block_mask
+
 log = logging.getLogger(__name__)
 
 ATTN_CHOICES = ("sdpa", "flex_attention", "eager")
@@ -60,19 +62,7 @@ def doc_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):
         return seen if window is None else seen & (q - kv < window)
 
     t = doc_ids.shape[0]
-    return _compiled_create_block_mask()(mask_mod, None, None, t, t, device=doc_ids.device)
-
-
-_CBM = None
-
-
-def _compiled_create_block_mask():
-    global _CBM  # one compiled builder per process, compiled lazily (no CUDA work at import)
-    if _CBM is None:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        _CBM = torch.compile(create_block_mask, dynamic=False)
-    return _CBM
+    return build_block_mask(mask_mod, t, t, doc_ids.device)
 
 
 def block_diagonal_causal_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
