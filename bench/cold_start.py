@@ -121,6 +121,20 @@ def triton_compiles(path: str | None, since: float) -> dict:
             "slowest": [(r["name"], r["s"]) for r in slow[:12]]}
 
 
+def in_ring_slot(hb, slot: int, depth: int = 4):
+    """`hb` copied into slot `slot % depth` of a transport ring (transport.base.carve_slots)."""
+    from dflash_mp.transport.base import SlotSpec, carve_slots
+
+    T, D = hb.hidden.shape
+    spec = SlotSpec(seq_len=T, hidden_dim=D, hidden_dtype=hb.hidden.dtype, device=hb.hidden.device)
+    s = carve_slots(torch.zeros(depth * spec.slot_bytes, dtype=torch.uint8, device=hb.hidden.device), spec,
+                    depth)[slot % depth]
+    s.hidden.copy_(hb.hidden)
+    for name, t in s.fields.items():
+        t.copy_(getattr(hb, name))
+    return s.batch(slot, hb.num_valid_tokens, 0)
+
+
 def run_step(a, device) -> dict:
     from drafter_step import build
 
@@ -146,6 +160,8 @@ def run_step(a, device) -> dict:
     build_s = time.perf_counter() - t
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, torch.bfloat16, seed=s)
                for s in range(2)]
+    if a.slot is not None:  # as the transport hands them out: views into ring slot `a.slot`, `a.slot + 1`
+        batches = [in_ring_slot(hb, a.slot + i) for i, hb in enumerate(batches)]
     steps = []
     for i in range(a.steps):
         t = now(device)
@@ -178,6 +194,7 @@ def main() -> int:
     ap.add_argument("--save", default=None, help="step: write the compile artifacts here afterwards")
     ap.add_argument("--load", default=None, help="step: load compile artifacts from here first")
     ap.add_argument("--tag", default="", help="name of the JSON file's variant")
+    ap.add_argument("--slot", type=int, default=None, help="step: feed the batches as views into this ring slot")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = run_masks(a, device) if a.what == "masks" else run_step(a, device)

@@ -5,7 +5,7 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
 export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-# Compiled kernels persist across runs: a cold start spends ~4 min compiling (BENCHMARKS.md).
+# Compiled kernels persist across runs (a cold 8B job's first step: ~70 s on an H200, BENCHMARKS.md).
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/dflash_mp/inductor}"
 
 # Run the torchrun agent in a session of its own and pass SIGTERM / SIGINT (a scheduler's stop,

@@ -257,8 +257,8 @@ class Checkpointer:
     def save(self, state, step: int, num_steps: int, wait: bool = False) -> None:
         """Collective over `group`: every drafter rank calls it at the same step. Returns once the
         state is copied (the leader's write goes on in the background), or written with `wait`."""
+        t0 = time.monotonic()  # the pause counts the wait for the previous write too
         self.wait()
-        t0 = time.monotonic()
         tmp = tmp_dir(self.root, step)
         os.makedirs(tmp, exist_ok=True)
         save_file(get_rng_state(), os.path.join(tmp, rng_file(self.rank)))
@@ -271,7 +271,8 @@ class Checkpointer:
         dist.barrier(group=self.group)  # every rank's RNG file is on disk
         self.stall_s = time.monotonic() - t0  # what training waits for: the host copy, not the write
         if self.leader:
-            log.info("checkpoint of step %d: training paused %.2f s for the host copy; written behind it",
+            log.info("checkpoint of step %d: training paused %.2f s (the previous write, the host copy); written "
+                     "behind it",
                      step, self.stall_s)
             manifest = {"num_steps": num_steps, **self.manifest}
             self._writer = threading.Thread(target=self._write, args=(data, tmp, step, manifest, t0),
