@@ -128,3 +128,24 @@ def test_core_modules_never_learn_builtin_names():
 def test_nothing_imports_the_entry_point():
     graph = import_graph()
     assert not [m for m, deps in graph.items() if "dflash_mp.main" in deps]
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every package module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_start_up_goes_down_once_the_rate_model_below_runtime_the_tool_on_top():
+    """main asks the rate model (`split`) for num_target_ranks=auto; `split` knows nothing of the
+    start-up, the command-line tools or the planner's report (`plan`), which sits on top of both."""
+    graph = import_graph()
+    assert "dflash_mp.split" in graph["dflash_mp.main"] and "dflash_mp.plan" not in reaches(graph, "dflash_mp.main")
+    below = reaches(graph, "dflash_mp.split")
+    assert not below & {"dflash_mp.runtime", "dflash_mp.plan", "dflash_mp.cli", "dflash_mp.main"}, below
+    assert {"dflash_mp.split", "dflash_mp.runtime", "dflash_mp.cli"} <= graph["dflash_mp.plan"]

@@ -1,20 +1,32 @@
-"""The split planner: pure layout arithmetic, checked by hand, and `topology.num_target_ranks=auto`."""
+"""The split planner: pure layout arithmetic (`split`), checked by hand, `topology.num_target_ranks=auto`,
+and the `dflash_mp.plan` report."""
 
 import pytest
 
+from dflash_mp import split
 from dflash_mp.config import compose
 from dflash_mp.flops import DrafterShape
-from dflash_mp.plan import (
+from dflash_mp.plan import format_report, planned_ids, target_config_for
+from dflash_mp.split import (
     Layout,
     best_whole_split,
     fluid_bound,
-    format_report,
     plan_layouts,
-    resolve_num_target_ranks,
     shared_splits,
     whole_splits,
     workload,
 )
+from dflash_mp.target import TargetSpec
+
+
+def resolve_num_target_ranks(job, world: int) -> int:
+    """What main asks the planner, with the target resolved as a run resolves it (tests compose jobs
+    of known hub ids: their config and tokenizer length come from the table)."""
+    if job.topology.num_target_ranks != "auto":  # taken as set: the target is never read
+        return split.resolve_num_target_ranks(job, world, {}, None, [], 0)
+    tcfg = target_config_for(job)
+    spec = TargetSpec.from_config(tcfg)
+    return split.resolve_num_target_ranks(job, world, tcfg, spec, *planned_ids(job, tcfg, spec))
 
 T, D = 10.4, 7.8  # samples/s per GPU: target, drafter
 
@@ -111,9 +123,10 @@ def test_num_target_ranks_auto_resolves_from_flops():
 
 
 def _rates(job):
-    from dflash_mp.plan import DRAFTER_MFU, TARGET_MFU, job_workload, target_config_for
-
-    return job_workload(job, target_config_for(job)).rates(790.0, TARGET_MFU, DRAFTER_MFU)
+    tcfg = target_config_for(job)
+    spec = TargetSpec.from_config(tcfg)
+    return split.job_workload(job, tcfg, spec, *planned_ids(job, tcfg)).rates(790.0, split.TARGET_MFU,
+                                                                              split.DRAFTER_MFU)
 
 
 def test_cli_prints_layouts(capsys):
@@ -127,7 +140,7 @@ def test_cli_prints_layouts(capsys):
 
 
 def test_measure_runs_on_this_device():
-    from dflash_mp.plan import measure_rates, target_config_for
+    from dflash_mp.plan import measure_rates
     from dflash_mp.runtime import resolve
 
     job = resolve(compose(["data.seq_len=64", "drafter.num_anchors=8", "drafter.loss_chunk_size=32",
@@ -191,11 +204,10 @@ def test_staged_report_names_replicas_and_a_multiple_of_the_stages():
 
 
 def test_num_target_ranks_auto_counts_replicas_of_the_staged_target():
-    from dflash_mp.plan import stage_balance, target_config_for
-
     job = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=2"])
     tcfg = target_config_for(job)
-    balance = stage_balance(job, tcfg)
+    layer_ids, _ = planned_ids(job, tcfg)
+    balance = split.stage_balance(job, tcfg, layer_ids)
     assert 0.9 < balance <= 1.0
     t, d = _rates(job)
     n = resolve_num_target_ranks(job, 8)
@@ -204,7 +216,7 @@ def test_num_target_ranks_auto_counts_replicas_of_the_staged_target():
     assert best_whole_split(8, t, d) % 2 == 1
     # The planner counts a replica at its stage balance: 34 layers in 3 stages of 12, 11, 11.
     job3 = compose(["experiment=qwen3_8b", "target.stages=3"])
-    assert stage_balance(job3, tcfg) == pytest.approx(34 / 3 / 12)
+    assert split.stage_balance(job3, tcfg, layer_ids) == pytest.approx(34 / 3 / 12)
     job4 = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=4"])
     assert resolve_num_target_ranks(job4, 8) == 4
     with pytest.raises(ValueError, match="at least 5 GPUs, or fewer target.stages"):
@@ -212,12 +224,10 @@ def test_num_target_ranks_auto_counts_replicas_of_the_staged_target():
 
 
 def test_num_target_ranks_auto_weighs_replicas_by_their_stage_balance(monkeypatch):
-    import dflash_mp.plan as plan
-
     job = compose(["experiment=qwen3_8b", "topology.num_target_ranks=auto", "target.stages=2"])
     t, d = _rates(job)
     assert best_whole_split(8, t, d, 2, 1.0) != best_whole_split(8, t, d, 2, 0.1)
-    monkeypatch.setattr(plan, "stage_balance", lambda job, tcfg: 0.1)  # a badly balanced split
+    monkeypatch.setattr(split, "stage_balance", lambda job, tcfg, layer_ids: 0.1)  # a badly balanced split
     assert resolve_num_target_ranks(job, 8) == best_whole_split(8, t, d, 2, 0.1)
 
 

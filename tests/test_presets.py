@@ -6,7 +6,9 @@ import torch
 from dflash_mp.config import compose
 from dflash_mp.runtime import validate
 from dflash_mp.model import DFlashDrafter, DrafterArgs
-from dflash_mp.plan import TARGET_ARCHS, job_workload, known_target_config
+from dflash_mp.archs import TARGET_ARCHS, known_target_config
+from dflash_mp.split import job_workload
+from dflash_mp.target import TargetSpec
 from dflash_mp.trainer import build_drafter_args
 
 
@@ -56,7 +58,7 @@ def test_preset_composes_and_validates(name):
     n = sum(p.numel() for p in drafter.parameters())
     assert n == analytic_params(args)
     assert abs(n / 1e9 - billions) < 0.01, n
-    t, d = job_workload(job, tcfg).rates(790.0, 0.6, 0.5)
+    t, d = job_workload(job, tcfg, TargetSpec.from_config(tcfg), layer_ids, mask_id).rates(790.0, 0.6, 0.5)
     assert t > 0 and d > 0
 
 
@@ -92,7 +94,7 @@ def test_presets_set_the_template_options_their_drafters_serve_with(name, kwargs
 @pytest.mark.parametrize("name", sorted(STAGED))
 def test_staged_preset_plans_balanced_stages_and_builds_its_last_stage_alone(name):
     from dflash_mp.archs import hf_config
-    from dflash_mp.plan import resolve_num_target_ranks
+    from dflash_mp.split import resolve_num_target_ranks
     from dflash_mp.stages import plan_stages
     from dflash_mp.target import strip_to_stage, truncate
     from transformers import AutoModelForCausalLM
@@ -101,11 +103,11 @@ def test_staged_preset_plans_balanced_stages_and_builds_its_last_stage_alone(nam
     job = compose([f"experiment={name}"])
     assert job.target.stages == stages and job.topology.num_target_ranks == "auto"
     tcfg = known_target_config(job.target.path)
-    layer_ids, _ = validate(job, tcfg, FakeTokenizer(TARGET_ARCHS[job.target.path]["tokenizer_len"]))
+    layer_ids, mask_id = validate(job, tcfg, FakeTokenizer(TARGET_ARCHS[job.target.path]["tokenizer_len"]))
     plan = plan_stages(tcfg, layer_ids, job.target.stages, job.data.seq_len)
     assert plan.stages == stages and plan.balance() > 0.9, plan.describe()
     assert plan.bounds[0][0] == 0 and plan.bounds[-1][1] == max(layer_ids) + 1
-    n = resolve_num_target_ranks(job, 8)
+    n = resolve_num_target_ranks(job, 8, tcfg, TargetSpec.from_config(tcfg), layer_ids, mask_id)
     assert n % stages == 0 and 0 < n < 8
 
     # The whole model's skeleton, without weights, then what the last stage keeps (TargetWorker.load:

@@ -58,3 +58,20 @@ def test_target_spec_reads_either_rope_layout_and_fills_implicit_heads():
     swa = TargetSpec.from_config({**base, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32,
                                   "layer_types": ["sliding_attention", "full_attention"] * 2})
     assert (swa.num_kv_heads, swa.head_dim, swa.sliding_window) == (2, 16, 32)
+
+
+def test_the_target_spec_is_parsed_once_for_the_start_up_and_the_planner(tmp_path, monkeypatch):
+    """`prepare` parses the target's config into `Resolved.spec`; the planner and the roles read it."""
+    from dflash_mp import split
+
+    calls = []
+    parse = TargetSpec.from_config.__func__
+
+    def counting(cls, config):
+        calls.append(1)
+        return parse(cls, config)
+
+    monkeypatch.setattr(TargetSpec, "from_config", classmethod(counting))
+    res = prepare(compose([f"target.cache_dir={tmp_path}", "topology.num_target_ranks=auto"]))
+    n = split.resolve_num_target_ranks(res.job, 4, res.target_config, res.spec, res.layer_ids, res.mask_token_id)
+    assert 1 <= n <= 3 and len(calls) == 1, len(calls)

@@ -22,11 +22,11 @@ from . import rundir
 from .config import CONF_DIR, JobConfig, register, to_job
 from .liveness import Liveness, peer_error
 from .metrics import quiet_console
-from .plan import resolve_num_target_ranks
 from .resilience import StopSignal, effective_resume, restart_count
 from .roles import RunContext, run_drafter, run_target
-from .runtime import (attempt_store, init_distributed, pick_device, prepare, resolve, resolve_backend, setup_logging,
+from .runtime import (attempt_store, init_distributed, pick_device, prepare, resolve_backend, setup_logging,
                       watcher_store)
+from .split import resolve_num_target_ranks
 from .topology import Topology
 from .transport import p2p_pairs
 
@@ -34,18 +34,22 @@ log = logging.getLogger("dflash_mp")
 
 
 def run(job: JobConfig, raw: DictConfig | None = None) -> None:
-    job = resolve(job)  # builtin names -> real paths, before anything reads the target (the planner does)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    topo = Topology.plan(resolve_num_target_ranks(job, world), rank, world, local_world,
-                         allow_no_target=job.transport.kind == "files", stages=job.target.stages)
-    setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
-    quiet_console(rank == topo.drafter_ranks[0])  # one set of progress bars per job, before any model loads
     # Before anything slow: Slurm may signal early. A checkpoint under way holds the exit back up to its bound.
     stop = StopSignal(job.train.stop_grace_s, job.liveness.checkpointing_s).install()
     device = pick_device(local_rank)
+    # The target, once: builtin names -> real paths, its config, tokenizer, captured layers and mask
+    # token, validated. The planner and every role read these; nothing derives them again.
+    res = prepare(job, device)
+    job = res.job
+    n_targets = resolve_num_target_ranks(job, world, res.target_config, res.spec, res.layer_ids, res.mask_token_id)
+    topo = Topology.plan(n_targets, rank, world, local_world, allow_no_target=job.transport.kind == "files",
+                         stages=job.target.stages)
+    setup_logging(rank, "T" if topo.role == "target" else "D", job.run_dir)
+    quiet_console(rank == topo.drafter_ranks[0])  # one set of progress bars per job, before any model loads
     timeout_s = job.topology.timeout_s or (1800.0 if device.type == "cuda" else 120.0)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = attempt_store(rank, world, timeout)
@@ -54,7 +58,6 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     topo = dataclasses.replace(topo, gpus_per_node=torch.cuda.device_count() if device.type == "cuda" else 0)
     p2p_pairs(job.transport, topo)  # a transport the placement cannot carry fails before any group
 
-    res = prepare(job, device)
     resume = effective_resume(job.checkpoint.resume)
     if resume != job.checkpoint.resume:
         log.warning("torchrun restart %d: resuming from the newest complete checkpoint (checkpoint.resume=auto)",
@@ -78,7 +81,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                 with open(os.path.join(job.run_dir, "config.yaml"), "w") as f:
                     f.write(OmegaConf.to_yaml(raw, resolve=True))
         ctx = RunContext(job, topo, device, res.target_path, res.target_config, res.layer_ids, res.mask_token_id,
-                         res.tokenizer, res.dtype, live=live, stop=stop, run_id=run_id)
+                         res.tokenizer, res.dtype, live=live, stop=stop, run_id=run_id, target_spec=res.spec)
         (run_target if topo.role == "target" else run_drafter)(ctx)
         live.done()
         stop.finished()  # a signal during the teardown has nothing left to stop: exit 0

@@ -61,10 +61,11 @@ class RunContext:
     live: Liveness | None = None
     stop: StopSignal | None = None  # SIGTERM -> checkpoint and a clean exit
     run_id: str | None = None  # rundir.claim's: in checkpoint manifests, the export and scalar rows
+    target_spec: TargetSpec | None = None  # runtime.Resolved.spec (parsed once there); None: tests' contexts
 
     @functools.cached_property  # a frozen dataclass still has a __dict__ for it
     def spec(self) -> TargetSpec:
-        return TargetSpec.from_config(self.target_config)
+        return self.target_spec or TargetSpec.from_config(self.target_config)
 
     @property
     def ckpt_root(self) -> str:

@@ -105,9 +105,10 @@ def resolve(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, target=dataclasses.replace(job.target, path=path))
 
 
-def validate(job: JobConfig, target_config: dict, tokenizer) -> tuple[list[int], int]:
-    """Cross-check drafter, data and target configs; returns (layer_ids, mask_token_id)."""
-    spec = TargetSpec.from_config(target_config)
+def validate(job: JobConfig, target_config: dict, tokenizer, spec: TargetSpec | None = None) -> tuple[list[int], int]:
+    """Cross-check drafter, data and target configs; returns (layer_ids, mask_token_id). `tokenizer`:
+    anything with the tokenizer's length; `spec`: the target config already parsed."""
+    spec = spec or TargetSpec.from_config(target_config)
     layer_ids = capture_layer_ids(job.target, spec.num_layers)
     mask = mask_token_id(job.drafter.mask_token_id, len(tokenizer), spec.vocab_size)
     if job.data.seq_len < 2 * job.drafter.block_size:
@@ -145,7 +146,7 @@ def prepare(job: JobConfig, device: torch.device | None = None) -> Resolved:
     path = job.target.path
     tokenizer = AutoTokenizer.from_pretrained(path)
     target_config = load_target_config(path)
-    layer_ids, mask_id = validate(job, target_config, tokenizer)
+    spec = TargetSpec.from_config(target_config)  # parsed here once; everything after reads Resolved.spec
+    layer_ids, mask_id = validate(job, target_config, tokenizer, spec)
     dtype = resolve_dtype(job.target.dtype, device or torch.device("cpu"))
-    return Resolved(job, path, tokenizer, target_config, TargetSpec.from_config(target_config), layer_ids,
-                    mask_id, dtype)
+    return Resolved(job, path, tokenizer, target_config, spec, layer_ids, mask_id, dtype)
