@@ -127,3 +127,26 @@ def test_a_random_builtin_target_regenerates(data, tmp_path, capsys):
     stats = run(path, tmp_path / "out.jsonl", d / "cache", capsys, "target.path=builtin:random-tiny-qwen3")
     assert stats["written"] == NUM_GOOD
     assert all(m["content"] for row in read(tmp_path / "out.jsonl") for m in row["messages"])
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_write_what_one_process_writes(data, tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m dflash_mp.regenerate`: windows dealt out over 2 gloo ranks,
+    merged in input order; sampled (temperature 0.8), so every batch's seed must match too."""
+    import os
+    import subprocess
+    import sys
+
+    d, path = data
+    args = [f"data.path={path}", f"target.cache_dir={d / 'cache'}", "max_new_tokens=6", "batch_size=1",
+            "sort_window=2", "temperature=0.8"]
+    one = run(path, tmp_path / "one.jsonl", d / "cache", capsys, "batch_size=1", "sort_window=2", "temperature=0.8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "dflash_mp.regenerate", *args, f"out={tmp_path / 'two.jsonl'}"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert two["written"] == one["written"] == NUM_GOOD and two.get("bad/empty") == one.get("bad/empty")
+    assert "rank 1: 2/2 rows" in p.stderr and not list(tmp_path.glob("two.jsonl.part*"))

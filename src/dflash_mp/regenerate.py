@@ -22,6 +22,11 @@ model ended it: `"finished": false` when it hit `max_new_tokens` before a stop t
 drops the row or keeps the reply open, `data.unfinished`). Reasoning the model writes in a `<think>`
 block is stored as `reasoning_content` (the HF/OpenAI schema); the row's `tools`, if any, are kept.
 
+Several processes, one GPU each: `torchrun --nproc-per-node N -m dflash_mp.regenerate ...` deals the
+sorted windows out round-robin; each process appends its rows to `out.part<r>of<N>`, and once all are
+done rank 0 merges them into `out` in input order (the same file one process writes, sampled rows
+included: a batch's seed is its place in the work). Each window logs rows, generated tokens/s and ETA.
+
 Resumable: rows already in `out` (matched by their non-assistant turns) are skipped and new rows are
 appended, flushed after every batch. Output rows are `{"messages": [...]}` (plus `tools` when the
 input row had them). Bad input rows are counted by reason and skipped; counters `unfinished` (cut
@@ -81,15 +86,16 @@ def reply_message(text: str, finished: bool, split_reasoning: bool = True) -> di
     return msg
 
 
-def done_keys(path: str) -> Counter:
-    """Keys of the rows already in `path`; a torn last line (a crash mid-write) is cut off first."""
+def done_keys(path: str, repair: bool = True) -> Counter:
+    """Keys of the rows already in `path`; a torn last line (a crash mid-write) is cut off first
+    (`repair`; else only skipped: another process owns the file)."""
     keys: Counter = Counter()
     if not os.path.exists(path):
         return keys
-    with open(path, "rb+") as f:
+    with open(path, "rb+" if repair else "rb") as f:
         data = f.read()
         end = data.rfind(b"\n") + 1
-        if end < len(data):
+        if repair and end < len(data):
             f.truncate(end)
     for line in data[:end].splitlines():
         if line.strip():
@@ -123,6 +129,7 @@ class Regenerator:
         self.stop = stop_token_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
         self.split_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
+        self.new_tokens = 0  # tokens generated so far (each reply up to its stop token)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[dict]], tools: list[list | None] | None = None) -> list[tuple[str, bool]]:
@@ -140,9 +147,14 @@ class Regenerator:
         out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
                                   eos_token_id=self.stop, pad_token_id=self.pad, **kwargs)
         stop = set(self.stop)
-        # Padding after a finished row may be a stop id too, but only ever after a real one.
-        return [(self.tok.decode(row[width:], skip_special_tokens=True).strip(),
-                 any(t in stop for t in row[width:].tolist())) for row in out]
+        replies = []
+        for row in out.tolist():
+            new = row[width:]
+            # Padding after a finished row may be a stop id too, but only ever after a real one.
+            end = next((i for i, t in enumerate(new) if t in stop), None)
+            self.new_tokens += len(new) if end is None else end + 1
+            replies.append((self.tok.decode(new, skip_special_tokens=True).strip(), end is not None))
+        return replies
 
     def regenerate(self, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[list[dict]]:
         """Every assistant turn replaced, turn by turn; each turn sees the replies regenerated before it."""
@@ -170,7 +182,9 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.sort_window < 1:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
                          f"{cfg.sort_window}: all must be >= 1")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # under torchrun, one GPU per process
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     job = resolve(job)
     path = job.target.path
     tok = AutoTokenizer.from_pretrained(path)
@@ -178,10 +192,20 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     # Every row is checked as training will read it, but a reply cut in the SOURCE data is no reason to
     # skip the row here: its turns are about to be replaced.
     encoder = ChatEncoder(tok, chat_template_kwargs=job.data.chat_template_kwargs, unfinished="keep_open")
+    rank, world, group = shard_group()
+    parts = [part_path(cfg.out, r, world) for r in range(world)] if world > 1 else []
+    # Each process repairs only the files it writes (rank 0 the output); all read every file after.
+    if rank == 0:
+        done_keys(cfg.out)
+    if parts:
+        done_keys(parts[rank])
+        torch.distributed.barrier(group)
+    done = done_keys(cfg.out, repair=False)
+    for p in parts:
+        done.update(done_keys(p, repair=False))
     stats: Counter = Counter()
-    done = done_keys(cfg.out)
     todo = []
-    for row in load_conversations(job.data):
+    for n, row in enumerate(load_conversations(job.data)):
         try:
             messages = row_messages(row, job.data.messages_field)
             tools = row_tools(row)
@@ -194,16 +218,22 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
             done[key] -= 1
             stats["skipped_done"] += 1
             continue
-        todo.append((messages, tools))
+        todo.append((messages, tools, n))
     regen = Regenerator(model, tok, cfg, job.data.chat_template_kwargs)
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    dest = parts[rank] if parts else cfg.out
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     t0 = time.perf_counter()
     window = cfg.batch_size * cfg.sort_window
-    with open(cfg.out, "a", encoding="utf-8") as f:
-        for w0 in range(0, len(todo), window):
+    # Windows are dealt out round-robin: every process builds the same `todo`, and a batch's seed
+    # depends on its place in it, so N processes write what one would (merged in input order below).
+    mine = [w0 for i, w0 in enumerate(range(0, len(todo), window)) if i % world == rank]
+    total = sum(len(todo[w0: w0 + window]) for w0 in mine)
+    with open(dest, "a", encoding="utf-8") as f:
+        for w0 in mine:
             chunk = todo[w0: w0 + window]
             sizes = [(sum(m["role"] == "assistant" for m in msgs),
-                      len(render_chat(tok, msgs, job.data.chat_template_kwargs, tools=tools))) for msgs, tools in chunk]
+                      len(render_chat(tok, msgs, job.data.chat_template_kwargs, tools=tools)))
+                     for msgs, tools, _ in chunk]
             order = sorted(range(len(chunk)), key=lambda i: sizes[i], reverse=True)
             done: list = [None] * len(chunk)
             for start in range(0, len(order), cfg.batch_size):
@@ -215,16 +245,70 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
                 convs = regen.regenerate([chunk[i][0] for i in idx], [chunk[i][1] for i in idx])
                 for i, conv in zip(idx, convs):
                     done[i] = conv
-            for conv, (_, tools) in zip(done, chunk):
+            for conv, (_, tools, n) in zip(done, chunk):
                 replies = [m for m in conv if m["role"] == "assistant"]
                 stats["empty_replies"] += sum(not m["content"] and not m.get("reasoning_content") for m in replies)
                 stats["unfinished"] += sum(not m["finished"] for m in replies)
-                row = {"messages": conv, **({"tools": tools} if tools else {})}
+                row = {"messages": conv, **({"tools": tools} if tools else {}), **({"_row": n} if parts else {})}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 stats["written"] += 1
             f.flush()
             os.fsync(f.fileno())
-            log.info("%d/%d rows, %.1fs", stats["written"], len(todo), time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            rate = stats["written"] / dt
+            log.info("%s%d/%d rows, %.0f tokens/s, %.1f s, ETA %.0f s", f"rank {rank}: " if parts else "",
+                     stats["written"], total, regen.new_tokens / dt, dt, (total - stats["written"]) / max(rate, 1e-9))
+    stats["new_tokens"] = regen.new_tokens
+    if parts:
+        stats = merge_parts(cfg.out, parts, stats, rank, group)
+    return stats
+
+
+def shard_group():
+    """(rank, world size, gloo group) under torchrun (WORLD_SIZE > 1), else (0, 1, None)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world, dist.group.WORLD
+
+
+def part_path(out: str, rank: int, world: int) -> str:
+    return f"{out}.part{rank}of{world}"
+
+
+def merge_parts(out: str, parts: list[str], stats: Counter, rank: int, group) -> Counter:
+    """Once every process has written its windows: rank 0 appends the parts' rows to `out` in input
+    order and removes the parts. Returns the summed counters (rank 0; the others' own)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * len(parts)
+    dist.all_gather_object(gathered, dict(stats), group=group)
+    if rank == 0:
+        rows = []
+        for p in parts:
+            if os.path.exists(p):
+                rows += [json.loads(line) for line in open(p, encoding="utf-8") if line.strip()]
+        rows.sort(key=lambda r: r.pop("_row"))
+        with open(out, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for p in parts:
+            if os.path.exists(p):
+                os.remove(p)
+        total: Counter = Counter()
+        for g in gathered:
+            total.update(g)
+        # Rows skipped as done were counted by every process; the data's bad rows too.
+        for k in [k for k in total if k == "skipped_done" or k.startswith("bad/")]:
+            total[k] //= len(parts)
+        stats = total
+    dist.barrier(group)  # no process leaves before the merge is on disk
     return stats
 
 
@@ -232,7 +316,8 @@ def regenerate_command(job, cfg: RegenConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     stats = regenerate_file(job, cfg)
-    print(json.dumps(dict(stats), sort_keys=True))
+    if int(os.environ.get("RANK", "0")) == 0:  # one line per job (rank 0 sums the shards')
+        print(json.dumps(dict(stats), sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> None:
