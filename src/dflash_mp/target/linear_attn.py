@@ -173,9 +173,10 @@ def varlen_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
     return module.out_proj(o.reshape(1, t, -1))
 
 
+@torch.compiler.disable  # a Python loop over the row's documents: a graph break when compiled
 def per_document(module: nn.Module, forward, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The module's own forward on each document's slice of the row (a Python loop; a graph break
-    when compiled): for linear-attention layouts `varlen_forward` does not know."""
+    """The module's own forward on each document's slice of the row: for linear-attention layouts
+    `varlen_forward` does not know."""
     return torch.cat([forward(hidden_states[:, s:e]) for s, e in current_spans().pairs()], dim=1)
 
 
@@ -196,7 +197,7 @@ def install(module: nn.Module, cross_documents: bool = False) -> str:
                 return varlen_forward(module, hidden_states) if how == "varlen" else forward(hidden_states)
         if how == "varlen":
             return varlen_forward(module, hidden_states)
-        return torch.compiler.disable(per_document)(module, forward, hidden_states)
+        return per_document(module, forward, hidden_states)
 
     module.forward = run
     return how

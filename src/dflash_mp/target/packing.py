@@ -38,6 +38,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
 
 
+def probe_row(worker, lengths, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed probe row of documents of `lengths` tokens, drawn from `g`: (input, position ids, doc
+    ids), on the CPU. The input is token ids `[n]` for a stage that starts at the embedding, else a
+    random residual stream `[n, hidden]` in the worker's dtype (another stage's output stands in)."""
+    n = sum(lengths)
+    docs = torch.cat([torch.full((m,), d) for d, m in enumerate(lengths)])
+    pos = torch.cat([torch.arange(m) for m in lengths])
+    if worker.first_stage:
+        x = torch.randint(worker.decoder.embed_tokens.weight.shape[0], (n,), generator=g)
+    else:
+        x = torch.randn(n, worker.hidden_size, generator=g).to(worker.dtype)
+    return x, pos, docs
+
+
 class _Row:
     """One probe row's position ids, masks, spans and RoPE tables, as the worker's forward builds them."""
 
@@ -59,14 +73,8 @@ def check_packing(worker, lengths: tuple[int, ...] = (128, 256), seed: int = 0) 
     Eager (a compiled target compiles no probe shapes). Lengths are multiples of 128 (flex blocks)."""
     g = torch.Generator().manual_seed(seed)
     dev, dtype = worker.device, worker.dtype
-    n = sum(lengths)
-    docs = torch.cat([torch.full((m,), d) for d, m in enumerate(lengths)])
-    pos = torch.cat([torch.arange(m) for m in lengths])
-    if worker.first_stage:
-        vocab = worker.decoder.embed_tokens.weight.shape[0]
-        h = worker.decoder.embed_tokens(torch.randint(vocab, (n,), generator=g).to(dev))[None]
-    else:  # a later stage's input is another stage's output: a random residual stream stands in
-        h = torch.randn(1, n, worker.hidden_size, generator=g).to(dev, dtype)
+    x, pos, docs = probe_row(worker, lengths, g)
+    h = (worker.decoder.embed_tokens(x.to(dev)) if worker.first_stage else x.to(dev))[None]
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
     spans = [(s, s + m) for s, m in zip(starts, lengths)]
     row = _Row(worker, docs, pos, h)

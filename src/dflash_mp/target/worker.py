@@ -205,14 +205,10 @@ class TargetWorker:
         measured on an H200 with transformers 5.17 / torch 2.11, Qwen3.5-35B-A3B's compiled forward
         gave features 68% off the eager ones on average (Qwen3-30B-A3B's and Qwen3.5-27B's: 1-2%,
         bf16 rounding). Returns the mean relative difference per token."""
-        g = torch.Generator().manual_seed(seed)
+        from .packing import probe_row
+
         lens = [probe_len // 3, probe_len // 2, probe_len - probe_len // 3 - probe_len // 2]
-        docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])
-        pos = torch.cat([torch.arange(n) for n in lens])
-        if self.first_stage:
-            x = torch.randint(self.decoder.embed_tokens.weight.shape[0], (probe_len,), generator=g)
-        else:
-            x = torch.randn(probe_len, self.hidden_size, generator=g).to(self.dtype)
+        x, pos, docs = probe_row(self, lens, torch.Generator().manual_seed(seed))
         x, pos_d, docs_d = x.to(self.device), pos.to(self.device), docs.to(self.device)
         got = self._capture(x, pos_d, docs_d, docs)
         with documents(self.spans(docs)):
