@@ -314,3 +314,38 @@ def test_gamma_reaches_the_loss_weights():
         return objective(gamma)(hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, noise)[0]
 
     assert not torch.isclose(loss(2.0), loss(None))
+
+
+def _rank_overlapped_steps(rank, world_size, overlap):
+    """Three data-parallel steps (each rank its own batches), the all-reduce bucketed during backward or
+    one collective after it."""
+    import torch.distributed as dist
+
+    args = DrafterArgs(**{**ARGS, "num_layers": 3})
+    torch.manual_seed(0)
+    obj = DFlashObjective(DFlashDrafter(args), args, torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02,
+                          DrafterConfig(num_layers=3, block_size=8, num_anchors=8, max_anchors_per_doc=4,
+                                        loss_chunk_size=16))
+    cfg = TrainConfig(compile="eager", warmup_ratio=0.0, lr=1e-2, weight_decay=0.1, allreduce_overlap=overlap)
+    tr = DrafterTrainer(obj, cfg, 10, dist.group.WORLD, torch.device("cpu"))
+    torch.manual_seed(3 + rank)
+    launched = []
+    for step in range(3):
+        tr.train_step(_batch(10 * step + rank))
+        launched.append(tr.opt.reduced_in_backward)
+    return tr.opt.master.clone(), tr.opt.exp_avg_sq.clone(), launched, len(tr.opt._segments)
+
+
+def test_the_bucketed_all_reduce_during_backward_gives_the_same_steps():
+    """2 gloo ranks: with train.allreduce_overlap the 4 buckets (the weights outside the layers, then
+    one per layer) are launched from backward's gradient hooks, each once its last gradient is in (the
+    layers' while backward still runs the layers before them), and the steps equal those of the one
+    collective after backward, bit for bit."""
+    on = run_ranks(_rank_overlapped_steps, 2, True, timeout=120)
+    off = run_ranks(_rank_overlapped_steps, 2, False, timeout=120)
+    (m0, v0, launched, segments), (m1, v1, _, _) = on
+    # Last layer first: its sum is under way while backward computes the layers before it.
+    assert segments == 4 and launched == [[3, 2, 1, 0]] * 3
+    assert torch.equal(m0, m1) and torch.equal(v0, v1)  # the replicas agree
+    assert torch.equal(m0, off[0][0]) and torch.equal(v0, off[0][1])
+    assert off[0][2] == [[]] * 3  # without the option nothing is launched in backward

@@ -68,13 +68,20 @@ class FlatAdamW:
     of `named_params`, together all of them (default: one segment). `side_stream` (CUDA only):
     the segments run on a side stream; see `wait`.
 
+    `overlap_reduce` (data parallel, written gradients): the segments are also the buckets of the
+    gradient all-reduce, as DDP's are. A hook on each parameter moves its gradient into the buffer
+    the moment backward has it, and a segment whose gradients are all in is summed over the group
+    at once, asynchronously, while backward goes on with the layers before it; `allreduce()` then
+    only waits. Each element is summed exactly as the one collective over the buffer sums it.
+
     `write_grads=False` keeps the older scheme for comparison: each `.grad` is a view of the
     buffer, autograd adds into it and the buffer is zeroed after each step."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, lr: float, betas: tuple[float, float],
                  weight_decay: float,
                  eps: float = 1e-8, dtype: torch.dtype = torch.float32, group=None, compiled: bool = False,
-                 write_grads: bool = True, segments: list[list[str]] | None = None, side_stream: bool = False):
+                 write_grads: bool = True, segments: list[list[str]] | None = None, side_stream: bool = False,
+                 overlap_reduce: bool = False):
         if not named_params:
             raise ValueError("FlatAdamW got no parameters; is every drafter weight frozen?")
         self.names = [n for n, _ in named_params]
@@ -115,6 +122,23 @@ class FlatAdamW:
         self._stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
         self._pending: list[torch.cuda.Event | None] = [None] * len(self._segments)
         self._waits: dict[str, list[int]] = {}
+        # Bucketed all-reduce during backward (see the class docstring).
+        self._overlap = overlap_reduce and self.world > 1 and write_grads
+        self._handles: list = []  # this backward's launched bucket reductions
+        self.reduced_in_backward: list[int] = []  # the last backward's buckets, in the order its hooks sent them
+        if self._overlap:
+            index = {n: i for i, n in enumerate(self.names)}
+            self._bucket_of = [0] * len(self.names)
+            for b, (names, _) in enumerate(self._segments):
+                for n in names:
+                    self._bucket_of[index[n]] = b
+            self._bucket_span = [(min(index[n] for n in names), max(index[n] for n in names) + 1)
+                                 for names, _ in self._segments]
+            self._left = [0] * len(self._segments)
+            self._landed = [False] * len(self.names)
+            self._armed = False
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
 
     def _slices(self, segments: list[list[str]]) -> list[tuple[set[str], list]]:
         """Per segment: its names and its slices of the buffers, in adamw_update's argument order."""
@@ -165,10 +189,48 @@ class FlatAdamW:
                 torch.cuda.current_stream().wait_event(event)
                 self._pending[i] = None
 
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        """Backward has parameter i's gradient: into the buffer, and its bucket summed once complete."""
+        if not self._fresh:  # the buckets of the first backward are summed already
+            raise RuntimeError("overlap_reduce sums each backward's gradients as they come: one backward per "
+                               "optimizer step (no gradient accumulation)")
+        if not self._armed:  # this backward's first gradient: the last update may still read the buffer
+            self._armed = True
+            self.wait_all()
+            self._left = [hi - lo for lo, hi in self._bucket_span]
+            self._landed = [False] * len(self.names)
+            self._handles = []
+            self._order: list[int] = []
+        self.grad_views[i].copy_(p.grad)
+        p.grad = None
+        self._landed[i] = True
+        b = self._bucket_of[i]
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self._order.append(b)
+            self._reduce_bucket(b)
+
+    def _reduce_bucket(self, b: int) -> None:
+        lo, hi = (self._offsets[i] for i in self._bucket_span[b])
+        if self._reduce is not None:
+            self._reduce[lo:hi].copy_(self.grad[lo:hi])
+        self._handles.append(dist.all_reduce(self._grad()[lo:hi], group=self.group, async_op=True))
+
     def collect(self) -> None:
         """Move the gradients backward left in `.grad` into the flat buffer (no host sync)."""
         self.wait_all()  # the last update read the buffer
         if not self.write_grads:
+            return
+        if self._overlap and self._armed:  # the hooks moved them; zero the rest, sum what is left
+            self._armed = False
+            self.reduced_in_backward = self._order
+            for i, v in enumerate(self.grad_views):
+                if not self._landed[i]:  # a weight this backward did not reach: its gradient is zero
+                    v.zero_()
+            for b, left in enumerate(self._left):
+                if left > 0:
+                    self._reduce_bucket(b)
+            self._fresh = False
             return
         grads = [p.grad for p in self.params]
         for p in self.params:
@@ -186,6 +248,11 @@ class FlatAdamW:
     def allreduce(self) -> None:
         """Sum the gradient over the group; the division by its size happens inside the update."""
         if self.world == 1:
+            return
+        if self._handles:  # launched bucket by bucket during backward (overlap_reduce)
+            for h in self._handles:
+                h.wait()
+            self._handles = []
             return
         if self._reduce is not None:
             self._reduce.copy_(self.grad)

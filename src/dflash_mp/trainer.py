@@ -81,6 +81,9 @@ class TrainConfig:
     optimizer_overlap: bool = True  # CUDA, layers scope or eager, not reduce-overhead: each layer's
     #   AdamW update runs on a side stream while the next step's forward runs the layers before it
     #   (time/optimizer then counts the gradient norm only; a wait for an update shows in time/fwd_bwd)
+    allreduce_overlap: bool = False  # 2+ drafters: the gradient all-reduce in buckets (the optimizer's
+    #   segments: one per layer with optimizer_overlap) launched during backward as each bucket's
+    #   gradients are in, as DDP does; the same sums. Off by default until measured on 2+ GPUs.
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16: bf16 working weights, fp32 master
     #   weights and moments | amp: fp32 weights under bf16 autocast (casts every weight every step) | fp32
     # After SIGTERM: the job stops within 2*logging.log_every steps with a checkpoint; a rank still
@@ -253,7 +256,7 @@ class DrafterTrainer:
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
                              write_grads=write_grads,  # False: the older add-into-.grad scheme (bench)
                              segments=_layer_segments([n for n, _ in named]) if overlap else None,
-                             side_stream=overlap)
+                             side_stream=overlap, overlap_reduce=cfg.allreduce_overlap)
         objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
         self.loss_kernel = resolve_loss_kernel(cfg.loss_kernel, self.mode, device)
