@@ -100,15 +100,6 @@ def run_masks(a, device) -> dict:
     return out
 
 
-def cache_counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    keep = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass", "autograd_cache_hit",
-            "autograd_cache_miss", "autograd_cache_bypass", "autograd_cache_saved")
-    got = {**counters["inductor"], **counters["aot_autograd"]}
-    return {k: int(got.get(k, 0)) for k in keep}
-
-
 def triton_compiles(path: str | None, since: float) -> dict:
     """The Triton compile log of bench/triton_timer: count, summed seconds, the slowest names."""
     if not path or not os.path.exists(path):
@@ -136,9 +127,10 @@ def in_ring_slot(hb, slot: int, depth: int = 4):
 
 
 def run_step(a, device) -> dict:
-    from drafter_step import build
+    from drafter_step import build, compile_seconds
 
     from dflash_mp import compile_cache
+    from dflash_mp.compile_stats import cache_counts
     from dflash_mp.model import drafter as drafter_mod
 
     started = time.time()
@@ -169,20 +161,11 @@ def run_step(a, device) -> dict:
         tr.opt.wait_all()
         steps.append(round(now(device) - t, 2))
     out = {"preset": a.preset, "loaded_artifacts": loaded, "build_s": round(build_s, 1), "step_s": steps,
-           "first_mask_build_s": round(mask_s[0], 2) if mask_s else None, "caches": cache_counters(),
+           "first_mask_build_s": round(mask_s[0], 2) if mask_s else None, "caches": cache_counts(),
            "compile_phases_s": compile_seconds(), "triton": triton_compiles(os.environ.get("DFLASH_TRITON_LOG"), started)}
     if a.save:
         out["saved"] = compile_cache.save(a.save)
     return out
-
-
-def compile_seconds() -> dict:
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:
-        return {}
-    tot = {k: round(sum(v), 1) for k, v in compilation_time_metrics.items() if v}
-    return dict(sorted(tot.items(), key=lambda kv: -kv[1])[:10])
 
 
 def main() -> int:

@@ -53,13 +53,16 @@ def counts() -> dict[str, int]:
 
 
 def cache_counts() -> dict[str, int]:
-    """Inductor's FX graph cache and AOTAutograd's cache so far: {"fx_hit", "fx_miss", "aot_hit",
-    "aot_miss"} (a miss is a graph compiled here; a hit one looked up, e.g. in loaded artifacts)."""
+    """Inductor's FX graph cache and AOTAutograd's cache so far: {"fx_hit", "fx_miss", "fx_bypass",
+    "aot_hit", "aot_miss", "aot_bypass", "aot_saved"} (a miss is a graph compiled here; a hit one
+    looked up, e.g. in loaded artifacts; a bypass one the cache cannot hold)."""
     from torch._dynamo.utils import counters
 
     ind, aot = counters["inductor"], counters["aot_autograd"]
     return {"fx_hit": int(ind["fxgraph_cache_hit"]), "fx_miss": int(ind["fxgraph_cache_miss"]),
-            "aot_hit": int(aot["autograd_cache_hit"]), "aot_miss": int(aot["autograd_cache_miss"])}
+            "fx_bypass": int(ind["fxgraph_cache_bypass"]), "aot_hit": int(aot["autograd_cache_hit"]),
+            "aot_miss": int(aot["autograd_cache_miss"]), "aot_bypass": int(aot["autograd_cache_bypass"]),
+            "aot_saved": int(aot["autograd_cache_saved"])}
 
 
 def describe_cache(c: dict[str, int]) -> str:

@@ -200,14 +200,14 @@ class FlatAdamW:
             self._left = [hi - lo for lo, hi in self._bucket_span]
             self._landed = [False] * len(self.names)
             self._handles = []
-            self._order: list[int] = []
+            self.reduced_in_backward = []
         self.grad_views[i].copy_(p.grad)
         p.grad = None
         self._landed[i] = True
         b = self._bucket_of[i]
         self._left[b] -= 1
         if self._left[b] == 0:
-            self._order.append(b)
+            self.reduced_in_backward.append(b)
             self._reduce_bucket(b)
 
     def _reduce_bucket(self, b: int) -> None:
@@ -223,7 +223,6 @@ class FlatAdamW:
             return
         if self._overlap and self._armed:  # the hooks moved them; zero the rest, sum what is left
             self._armed = False
-            self.reduced_in_backward = self._order
             for i, v in enumerate(self.grad_views):
                 if not self._landed[i]:  # a weight this backward did not reach: its gradient is zero
                     v.zero_()

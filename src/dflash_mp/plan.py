@@ -62,12 +62,14 @@ def target_config_for(job) -> dict:
 
 
 # --------------------------------------------------------------------------------------- measure
-def measure_rates(job, target_config: dict, iters: int = 5) -> tuple[float, float]:
-    """(target, drafter) samples/s on the local accelerator (CPU when there is none), random weights."""
+def measure_rates(job, target_config: dict, iters: int = 5, ids: tuple[list[int], int] | None = None
+                  ) -> tuple[float, float]:
+    """(target, drafter) samples/s on the local accelerator (CPU when there is none), random weights.
+    `ids`: (layer_ids, mask_token_id) when the caller derived them already."""
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = resolve_dtype(job.target.dtype, dev)
     tc = target_config
-    layer_ids, mask = planned_ids(job, tc)
+    layer_ids, mask = ids or planned_ids(job, tc)
     T = job.data.seq_len
     g = torch.Generator().manual_seed(0)
     doc = min(1024, T)
@@ -171,7 +173,7 @@ def run_plan(job, opts: PlanConfig) -> None:
     spec = TargetSpec.from_config(tcfg)
     layer_ids, mask = planned_ids(job, tcfg, spec)
     if opts.measure:
-        t, d = measure_rates(job, tcfg)
+        t, d = measure_rates(job, tcfg, ids=(layer_ids, mask))
         print("measured on the local device")
     else:
         t, d = job_workload(job, tcfg, spec, layer_ids, mask, opts.doc_len).rates(peak, opts.target_mfu, opts.drafter_mfu)

@@ -174,7 +174,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     from transformers import AutoTokenizer
 
     from .data.chat import BadRow, ChatEncoder, load_conversations
-    from .runtime import resolve
+    from .runtime import pick_device, resolve
     from .target import load_causal_lm, resolve_dtype
 
     if not cfg.out:
@@ -182,9 +182,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.sort_window < 1:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
                          f"{cfg.sort_window}: all must be >= 1")
-    device = torch.device("cpu")
-    if torch.cuda.is_available():  # under torchrun, one GPU per process
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun, one GPU per process
     job = resolve(job)
     path = job.target.path
     tok = AutoTokenizer.from_pretrained(path)
@@ -301,13 +299,9 @@ def merge_parts(out: str, parts: list[str], stats: Counter, rank: int, group) ->
         for p in parts:
             if os.path.exists(p):
                 os.remove(p)
-        total: Counter = Counter()
-        for g in gathered:
-            total.update(g)
-        # Rows skipped as done were counted by every process; the data's bad rows too.
-        for k in [k for k in total if k == "skipped_done" or k.startswith("bad/")]:
-            total[k] //= len(parts)
-        stats = total
+        # Every process read the whole data set (bad and done rows alike); each wrote its own rows.
+        for g in gathered[1:]:
+            stats.update({k: g.get(k, 0) for k in ("written", "unfinished", "empty_replies", "new_tokens")})
     dist.barrier(group)  # no process leaves before the merge is on disk
     return stats
 
@@ -316,7 +310,7 @@ def regenerate_command(job, cfg: RegenConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     stats = regenerate_file(job, cfg)
-    if int(os.environ.get("RANK", "0")) == 0:  # one line per job (rank 0 sums the shards')
+    if shard_group()[0] == 0:  # one line per job (rank 0 sums the shards')
         print(json.dumps(dict(stats), sort_keys=True))
 
 
