@@ -19,7 +19,19 @@ from torch.nn.attention.flex_attention import BlockMask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-_COMPILED: list = []
+# Compiled once per process, created on first use so importing this module does no CUDA work.
+_compiled: dict[str, Callable] = {}
+
+
+def compiled_once(name: str, fn: Callable) -> Callable:
+    """`torch.compile(fn)`, one per `name` and process. Inside an outer compiled region Dynamo traces
+    the raw function (a nested compiled wrapper would only add a frame to trace). New closures over
+    same-shaped tensors (mask_mods) reuse the graph: their cells are graph inputs."""
+    if torch.compiler.is_compiling():
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
 
 
 def tile_counts(mask_mod: MaskMod, q_len: int, kv_len: int, q_block: int, kv_block: int,
@@ -36,14 +48,6 @@ def tile_counts(mask_mod: MaskMod, q_len: int, kv_len: int, q_block: int, kv_blo
     qp, kvp = seen.shape
     per_row = seen.view(qp, kvp // kv_block, kv_block).sum(-1, dtype=torch.int32)
     return per_row.view(qp // q_block, q_block, kvp // kv_block).sum(1, dtype=torch.int32)
-
-
-def _compiled_tile_counts():
-    # One compiled function per process, created on first use (no CUDA work at import). New
-    # mask_mod closures over same-shaped tensors reuse its graph: their cells are graph inputs.
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(tile_counts, dynamic=False))
-    return _COMPILED[0]
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +67,7 @@ def build_block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.d
     device = torch.device(device)
     if compiled is None:
         compiled = device.type == "cuda"
-    count = _compiled_tile_counts() if compiled else tile_counts
+    count = compiled_once("tile_counts", tile_counts) if compiled else tile_counts
     counts = count(mask_mod, q_len, kv_len, q_block, kv_block, device)
     full = counts == q_block * kv_block
     partial = (counts > 0) & ~full

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from dflash_mp.block_mask import build_block_mask
+from dflash_mp.block_mask import build_block_mask, compiled_once
 from dflash_mp.options import resolve_auto
 
 FULL_ATTENTION = "full_attention"
@@ -88,20 +88,6 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
 
 
-# Compiled once per process, created on first use so importing this module does no CUDA work.
-_compiled: dict[str, Callable] = {}
-
-
-def _compiled_fn(name: str, fn: Callable) -> Callable:
-    # Inside an outer torch.compile region Dynamo traces the raw function (flex_attention is a
-    # higher-order op it understands); a nested compiled wrapper would only add a frame to trace.
-    if torch.compiler.is_compiling():
-        return fn
-    if name not in _compiled:
-        _compiled[name] = torch.compile(fn, dynamic=False)
-    return _compiled[name]
-
-
 @dataclass
 class BlockAttention:
     """Per-step masks for every layer kind in the drafter, built once and shared by all layers."""
@@ -119,7 +105,7 @@ class BlockAttention:
         if self.backend == "dense":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # The eager flex path is a slow math fallback; compiled is the only sensible CUDA path.
-        fn = _compiled_fn("flex_attention", flex_attention) if q.is_cuda else flex_attention
+        fn = compiled_once("flex_attention", flex_attention) if q.is_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
 
 
