@@ -251,3 +251,30 @@ def test_evaluate_live_on_a_hybrid_target_is_lossless(hybrid_target):
     report, failures = live(hybrid_target, drafter, prompts, [], EvalConfig(max_new_tokens=12), 4)
     assert failures == [] and report["lossless"]
     assert report["generated_tokens"] == 24 and report["rollback_forwards"] > 0
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3.5", "tiny-qwen3-moe"])
+def test_a_compiled_target_compiles_one_graph_per_layer_type(arch):
+    """The compiled target compiles each decoder layer on its own and identical layers share one graph:
+    8 layers of a hybrid are 2 graphs (linear and full attention), of a dense or MoE target 1. The
+    features equal the eager ones, and a row of other documents compiles nothing new."""
+    from dflash_mp.archs import hybrid_layer_types
+    from dflash_mp.compile_stats import counts
+
+    torch._dynamo.reset()
+    hybrid = arch.startswith("tiny-qwen3.5")
+    text = hf_config(TINY_ARCHS[arch], vocab_size=V, num_hidden_layers=8,
+                     **({"layer_types": hybrid_layer_types(8)} if hybrid else {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(text, attn_implementation="sdpa").eval().requires_grad_(False)
+    layer_ids = [1, 4, 7]
+    eager = TargetWorker(model, layer_ids, torch.device("cpu"))
+    compiled = TargetWorker(model, layer_ids, torch.device("cpu"), compile=True)
+    before = counts()["graphs"]
+    for seed, lens in enumerate(([70, 9, 33], [20, 64, 30])):
+        pb = packed(lens, 128, seed)
+        torch.testing.assert_close(compiled.forward(pb).hidden, eager.forward(pb).hidden, atol=2e-5, rtol=1e-4)
+        if seed == 0:
+            assert counts()["graphs"] - before == (2 if hybrid else 1)
+            first = counts()["graphs"]
+    assert counts()["graphs"] == first

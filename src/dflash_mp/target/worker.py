@@ -29,7 +29,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 class TargetWorker:
     """Runs the truncated target over packed batches and returns HiddenBatches.
 
-    `compile`: the forward is one `torch.compile` region; flex_attention runs as its own compiled
+    `compile`: each decoder layer is compiled on its own (`compile_scope="layers"`): identical layers
+    share one graph, so a 64-layer hybrid compiles two graphs (its linear- and its full-attention
+    layer), not one graph of 64 layers, which took minutes on a cold node. `compile_scope="forward"`
+    compiles the whole forward as one region (for comparison). flex_attention runs as its own compiled
     kernel between the graph pieces (`FLEX_OUTSIDE_GRAPH`) unless `flex_in_graph`; linear-attention
     layers are custom ops inside the graph (linear_attn.py).
 
@@ -43,7 +46,8 @@ class TargetWorker:
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
-                 flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False):
+                 flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
+                 compile_scope: str = "layers"):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -82,7 +86,17 @@ class TargetWorker:
                        if (m := getattr(decoder.layers[i], "linear_attn", None)) is not None}
         self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
         self.compiled = compile
-        self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
+        if not compile:
+            self._run = self._forward
+        elif compile_scope == "layers":
+            self._calls = [torch.compile(m, dynamic=False) if first <= i < end else m
+                           for i, m in enumerate(decoder.layers)]
+            self._run = self._forward
+        elif compile_scope == "forward":
+            self._run = torch.compile(self._forward, dynamic=False)
+        else:
+            raise ValueError(f"compile_scope={compile_scope!r}: use layers or forward")
 
     @classmethod
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
@@ -125,10 +139,12 @@ class TargetWorker:
         return worker
 
     # ------------------------------------------------------------------------------------ forward
-    def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict) -> torch.Tensor:
-        """Decoder layer i on h [1, T, H] (position ids [1, T], RoPE tables, masks by layer type)."""
-        out = self.decoder.layers[i](h, attention_mask=masks[self.layer_types[i]], position_ids=pos,
-                                     position_embeddings=rope)
+    def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False
+                  ) -> torch.Tensor:
+        """Decoder layer i on h [1, T, H] (position ids [1, T], RoPE tables, masks by layer type); eager
+        unless `compiled` (probes of other shapes never compile)."""
+        layer = (self._calls if compiled else self._eager_calls)[i]
+        out = layer(h, attention_mask=masks[self.layer_types[i]], position_ids=pos, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor):
@@ -143,14 +159,14 @@ class TargetWorker:
         rotary = self.decoder.rotary_emb
         return rotary(h, pos[None].expand(3, 1, -1) if hasattr(rotary, "mrope_section") else pos)
 
-    def _forward(self, x: torch.Tensor, pos: torch.Tensor, masks: dict, before: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, pos: torch.Tensor, masks: dict, before: torch.Tensor | None = None,
+                 eager: bool = False) -> torch.Tensor:
         """`before`: the captured columns the previous stages sent. Returns what this stage passes on
-        (class docstring)."""
+        (class docstring). `eager`: the layers uncompiled whatever the scope (check_compiled)."""
         h, pos, rope = self.embed(x, pos)
         captured = []
         for i in range(*self.stage_layers):
-            h = self.run_layer(i, h, pos, rope, masks)
+            h = self.run_layer(i, h, pos, rope, masks, compiled=not eager)
             if i in self._captures:
                 captured.append((h if i != self._last or self.final_norm is None else self.final_norm(h))[0])
         parts = ([] if self.last_stage else [h[0]]) + ([] if before is None else [before]) + captured
@@ -212,7 +228,7 @@ class TargetWorker:
         x, pos_d, docs_d = x.to(self.device), pos.to(self.device), docs.to(self.device)
         got = self._capture(x, pos_d, docs_d, docs)
         with documents(self.spans(docs)):
-            want = self._forward(x, pos_d, self.masks(docs_d))
+            want = self._forward(x, pos_d, self.masks(docs_d), eager=True)
         a, b = got.float(), want.float()
         rel = float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean())
         tol = 1e-3 if self.dtype == torch.float32 else 0.1
@@ -220,7 +236,7 @@ class TargetWorker:
             log.warning("target %s: the compiled forward's features differ from the eager ones by %.2e per token "
                         "(mean relative, tolerance %.0e): running the target eager. target.compile=false "
                         "skips the compile and this check.", type(self.model).__name__, rel, tol)
-            self.compiled, self._run = False, self._forward
+            self.compiled, self._run, self._calls = False, self._forward, self._eager_calls
         else:
             log.info("target %s: compiled forward equals the eager one to %.1e per token (tolerance %.0e)",
                      type(self.model).__name__, rel, tol)
