@@ -56,6 +56,41 @@ def test_a_fresh_process_loads_what_another_compiled_and_saved(tmp_path):
     assert cold.get("fxgraph_cache_miss", 0) >= 1 and cold.get("fxgraph_cache_hit", 0) == 0, cold
 
 
+TWO_SAVES = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from dflash_mp import compile_cache
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "load":
+    compile_cache.load(path)
+f = torch.compile(lambda x: torch.relu(x).square().sum(), dynamic=False)
+g = torch.compile(lambda x: (x.sin() * 2).mean(), dynamic=False)
+f(torch.randn(64))
+if mode == "save":
+    compile_cache.save(path)  # as the drafter after its first backward
+g(torch.randn(64))
+if mode == "save":
+    compile_cache.save(path)  # and again after warm-up (the optimizer's graphs)
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+@pytest.mark.slow
+def test_a_file_saved_twice_gives_back_every_graph(tmp_path):
+    """torch's own reader keeps only the last save's graphs of a file written by two saves (a
+    resumed 8B drafter compiled 9 of its 11 FX graphs again); `load` finds them all."""
+    path = compile_cache.artifact_path(str(tmp_path / "run"), "drafter", torch.device("cpu"))
+    runs = []
+    for mode, cache in (("save", "cache_a"), ("load", "cache_b")):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
+        p = subprocess.run([sys.executable, "-c", TWO_SAVES, mode, path], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[0].get("fxgraph_cache_miss", 0) == 2
+    assert runs[1].get("fxgraph_cache_hit", 0) == 2 and runs[1].get("fxgraph_cache_miss", 0) == 0, runs[1]
+
+
 def test_an_unreadable_artifact_file_means_compiling_not_failing(tmp_path):
     path = compile_cache.artifact_path(str(tmp_path), "target", torch.device("cpu"))
     os.makedirs(os.path.dirname(path))

@@ -37,7 +37,7 @@ def load(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             data = f.read()
-        info = torch.compiler.load_cache_artifacts(data)  # None: torch found the bytes unusable
+        info = _load_all(data)  # None: torch found the bytes unusable
     except Exception as e:  # noqa: BLE001 - e.g. written by another torch build: compile instead
         info, why = None, f"{type(e).__name__}: {e}"
     else:
@@ -48,6 +48,26 @@ def load(path: str) -> bool:
     log.info("compile cache: loaded %.1f MB of compiled artifacts from %s in %.1f s",
              len(data) / 1e6, path, time.monotonic() - t0)
     return True
+
+
+def _load_all(data: bytes):
+    """`torch.compiler.load_cache_artifacts(data)`, but every saved record counts.
+
+    Each `save_cache_artifacts()` call appends one record per artifact kind ("inductor",
+    "aot_autograd", ...) to the bytes it returns, and torch's reader keeps only the last record of
+    each kind (`dict(records)`): a file written by a second save, as `save` is called after the first
+    backward and again after warm-up, would give back only the graphs compiled between the two saves
+    (a restarted 8B drafter compiled 9 of its 11 FX graphs again). Merge the records first."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:  # private API moved: torch's own reader
+        return torch.compiler.load_cache_artifacts(data)
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    merged: dict[str, list] = {}
+    for kind, artifacts in AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache):
+        merged.setdefault(kind, []).extend(artifacts)
+    return CacheArtifactManager.populate_caches(merged) if merged else None
 
 
 def save(path: str) -> bool:
