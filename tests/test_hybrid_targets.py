@@ -278,3 +278,32 @@ def test_a_compiled_target_compiles_one_graph_per_layer_type(arch):
             assert counts()["graphs"] - before == (2 if hybrid else 1)
             first = counts()["graphs"]
     assert counts()["graphs"] == first
+
+
+def test_a_compiled_moe_target_that_fails_its_check_runs_its_experts_eagerly(monkeypatch, caplog):
+    """Where the compiled forward differs from the eager one, a MoE target is checked again with its
+    experts taken out of the compiled graphs and kept compiled if that passes; a target without
+    experts, or one still off, runs eager."""
+    calls = []
+
+    def fake(worker, probe_len, seed):  # the first (whole-layer) compile off, later ones right
+        calls.append(worker.compile_note)
+        return 0.5 if len(calls) == 1 else 1e-6
+
+    monkeypatch.setattr(TargetWorker, "_compiled_vs_eager", fake)
+    for arch, experts in (("tiny-qwen3.5-moe", True), ("tiny-qwen3.5", False)):
+        calls.clear()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(TINY_ARCHS[arch], vocab_size=V), attn_implementation="sdpa")
+        worker = TargetWorker(model.eval(), [1, 3], torch.device("cpu"), compile=True)
+        with caplog.at_level(logging.INFO):
+            worker.check_compiled(128)
+        assert worker.compiled == experts and len(calls) == (2 if experts else 1)
+        assert worker.compile_note == ("compiled, MoE experts eager" if experts else "")
+        eager_experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")
+                         and getattr(m.forward, "_torchdynamo_disable", False)]
+        assert bool(eager_experts) == experts
+        if experts:
+            pb = packed([70, 9, 33], 128)
+            torch.testing.assert_close(worker.forward(pb).hidden, TargetWorker(model, [1, 3], torch.device("cpu"))
+                                       .forward(pb).hidden, atol=2e-5, rtol=1e-4)
