@@ -150,3 +150,173 @@ def test_two_processes_under_torchrun_write_what_one_process_writes(data, tmp_pa
     assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
     assert two["written"] == one["written"] == NUM_GOOD and two.get("bad/empty") == one.get("bad/empty")
     assert "rank 1: 2/2 rows" in p.stderr and not list(tmp_path.glob("two.jsonl.part*"))
+
+
+def test_static_cache_writes_what_the_dynamic_cache_writes_whatever_the_batch_size(data, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The serving-speed path (`cache=static`: every batch padded to `batch_size` rows with filler
+    copies, prompts left-padded to a bucket) writes the dynamic cache's greedy file byte for byte, at
+    batch sizes 1 and 8; the fillers are neither written nor counted as generated tokens."""
+    import transformers
+
+    d, path = data
+    calls = []
+    generate = transformers.GenerationMixin.generate
+
+    def spy(model, *args, **kwargs):
+        ids = kwargs["input_ids"]
+        calls.append((kwargs.get("cache_implementation"), *ids.shape))
+        if kwargs.get("cache_implementation") == "static":  # no filler row left unmasked: each is a whole prompt
+            assert bool((kwargs["attention_mask"].sum(1) > 0).all())
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", spy)
+    args = [f"data.path={path}", f"target.cache_dir={d / 'cache'}", "max_new_tokens=24", "sort_window=1"]
+
+    def regen(name, *extra):
+        calls.clear()
+        main([*args, f"out={tmp_path / name}", *extra])
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1]), list(calls)
+
+    ref, ref_calls = regen("dynamic.jsonl", "cache=dynamic", "batch_size=1")
+    assert {c[0] for c in ref_calls} == {None} and {c[1] for c in ref_calls} == {1}
+    for batch, bucket in [(1, 256), (8, 16)]:
+        stats, static_calls = regen(f"static{batch}.jsonl", "cache=static", f"batch_size={batch}",
+                                    f"prompt_bucket={bucket}")
+        # The fast path ran: fixed rows, bucketed widths (batch 8: 5 rows and a second turn, so fillers).
+        assert {c[0] for c in static_calls} == {"static"} and {c[1] for c in static_calls} == {batch}
+        assert all(c[2] % bucket == 0 for c in static_calls)
+        assert (tmp_path / f"static{batch}.jsonl").read_bytes() == (tmp_path / "dynamic.jsonl").read_bytes()
+        assert stats == ref  # same rows written, same tokens counted: the fillers' are not
+    assert len({c[2] for c in static_calls}) > 1  # several buckets (a cache sized per call)
+
+
+def test_static_cache_is_sized_per_call_and_the_recompile_limit_covers_every_shape(tmp_path, monkeypatch, caplog):
+    """A static cache gets its own call's length, not the longest call's so far, and each new
+    (rows, cache length) shape past Dynamo's recompile limit raises the limit (logged)."""
+    import logging
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash_mp.builtin import resolve_target_path
+    from dflash_mp.regenerate import GQA_DECODE, RegenConfig, Regenerator
+    from dflash_mp.target import load_causal_lm
+
+    path = resolve_target_path("builtin:tiny-qwen3", str(tmp_path))
+    model = load_causal_lm(path, torch.device("cpu"), torch.float32)
+    cfg = RegenConfig(max_new_tokens=3, batch_size=4, prompt_bucket=8)
+    static = Regenerator(model, AutoTokenizer.from_pretrained(path), cfg, cache="static")
+    dynamic = Regenerator(model, static.tok, cfg, cache="dynamic")
+    assert (static.attention, dynamic.attention) == (GQA_DECODE, "sdpa")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 8)
+    lengths = []
+    with caplog.at_level(logging.INFO, logger="dflash_mp.regenerate"):
+        for words in (40, 2, 20, 2):
+            prompts = [[{"role": "user", "content": " ".join(["seven apples"] * words)}],
+                       [{"role": "user", "content": "Hi!"}]]
+            assert static.generate(prompts) == dynamic.generate(prompts)
+            lengths.append(model._previous_max_cache_length)
+    assert lengths[1] == lengths[3] < lengths[2] < lengths[0]  # the short calls' caches are short
+    assert static.new_tokens == dynamic.new_tokens  # the two filler rows of every call are not counted
+    assert len(static.shapes) == 3 and torch._dynamo.config.recompile_limit == 6
+    assert "recompile_limit raised from 2 to 6" in caplog.text
+
+
+def test_auto_cache_is_static_only_where_it_pays_and_the_model_allows_it(tmp_path, caplog):
+    """`cache=auto`: dynamic on CPU (transformers compiles the static decode on CUDA only); static on
+    CUDA for a Qwen3; a hybrid linear-attention model stays dynamic even when static is asked for."""
+    import logging
+
+    import torch
+
+    from dflash_mp.builtin import resolve_target_path
+    from dflash_mp.regenerate import resolve_cache
+    from dflash_mp.target import load_causal_lm
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    dense = load_causal_lm(resolve_target_path("builtin:tiny-qwen3", str(tmp_path)), cpu, torch.float32)
+    hybrid = load_causal_lm(resolve_target_path("builtin:random-tiny-qwen3.5", str(tmp_path)), cpu, torch.float32)
+    with caplog.at_level(logging.INFO, logger="dflash_mp.regenerate"):
+        assert resolve_cache("auto", dense, cpu) == "dynamic"
+        assert resolve_cache("auto", dense, cuda) == "static"  # the choice only: nothing runs on the device
+        assert resolve_cache("static", dense, cpu) == "static"
+        assert resolve_cache("dynamic", dense, cuda) == "dynamic"
+        assert resolve_cache("static", hybrid, cuda) == "dynamic"
+        assert resolve_cache("auto", hybrid, cuda) == "dynamic"
+    assert "linear_attention layers" in caplog.text and "CUDA only" in caplog.text
+    with pytest.raises(ValueError, match="cache='fast' is not a cache; use one of auto, dynamic, static"):
+        resolve_cache("fast", dense, cpu)
+
+
+def test_gqa_decode_attends_on_the_key_value_heads_without_repeating_them(monkeypatch):
+    """The static path's decode attention: each query head against its key/value head (as sdpa after
+    repeating every key/value head per query head), under a padding mask or none, never through
+    transformers' sdpa (which repeats them when a mask is given: compiled, and always in 5.17)."""
+    import types
+
+    import torch
+    from transformers import AttentionInterface
+
+    from dflash_mp.regenerate import sdpa_gqa_decode
+
+    def repeating_sdpa(*args, **kwargs):
+        raise AssertionError("a decode step went through transformers' sdpa")
+
+    g = torch.Generator().manual_seed(0)
+    batch, kv_heads, groups, length, dim = 3, 2, 4, 37, 16
+    q = torch.randn(batch, kv_heads * groups, 1, dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = torch.rand(batch, 1, 1, length, generator=g) > 0.3
+    mask[..., -1] = True
+    module = types.SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", repeating_sdpa)
+    for m in (mask, None):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=m, scale=0.3).transpose(1, 2)
+        got, _ = sdpa_gqa_decode(module, q, k, v, m, dropout=0.0, scaling=0.3)
+        assert got.shape == want.shape == (batch, 1, kv_heads * groups, dim)
+        torch.testing.assert_close(got, want)
+
+
+def test_the_static_paths_attention_is_not_taken_for_flash_attention():
+    """transformers treats any attention whose name holds "flash" as flash attention (padding-free
+    inputs, no fullgraph compile): the GQA decode attention must not read as one."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    from dflash_mp.regenerate import register_gqa_decode
+
+    assert not is_flash_attention_requested(requested_attention_implementation=register_gqa_decode())
+
+
+def test_static_decode_compiles_at_most_twice_over_batches_and_buckets(tmp_path, monkeypatch):
+    """transformers compiles the static-cache decode step (on CUDA; here forced on CPU with Dynamo's
+    eager backend), GQA attention included, as one graph: fixed rows keep the batch dimension out of
+    the guards, so short batches and several prompt buckets cost one compile plus one for the cache
+    length going dynamic."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import AutoTokenizer, CompileConfig
+
+    from dflash_mp.builtin import resolve_target_path
+    from dflash_mp.regenerate import RegenConfig, Regenerator
+    from dflash_mp.target import load_causal_lm
+
+    path = resolve_target_path("builtin:tiny-qwen3", str(tmp_path))
+    model = load_causal_lm(path, torch.device("cpu"), torch.float32)
+    compile_config = CompileConfig(backend="eager", mode=None, fullgraph=True)  # a graph break would raise
+    compile_config._compile_all_devices = True  # what CUDA gets by default
+    cfg = RegenConfig(max_new_tokens=4, batch_size=4, prompt_bucket=8)
+    dynamic = Regenerator(model, AutoTokenizer.from_pretrained(path), cfg, cache="dynamic")
+    static = Regenerator(model, dynamic.tok, cfg, cache="static")
+    batches = [[[{"role": "user", "content": " ".join(["seven apples"] * n)}] for n in ns]
+               for ns in ([9, 3, 1, 2], [1], [30, 2], [4, 4, 4], [60])]
+    want = [dynamic.generate(b) for b in batches]
+    monkeypatch.setattr(model.generation_config, "compile_config", compile_config, raising=False)
+    before = counters["stats"]["unique_graphs"]
+    try:
+        assert [static.generate(b) for b in batches] == want
+        assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
+    finally:
+        torch._dynamo.reset()

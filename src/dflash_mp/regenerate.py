@@ -4,7 +4,7 @@ A drafter learns to predict the target, so it should train on what the target it
 what some other model wrote (the DFlash recipe trains on target-regenerated data):
 
     python -m dflash_mp.regenerate target.path=Qwen/Qwen3-8B data.path=in.jsonl regen.out=out.jsonl \
-        [regen.temperature=0] [regen.max_new_tokens=1024] [regen.batch_size=32] [regen.seed=0]
+        [regen.temperature=0] [regen.max_new_tokens=1024] [regen.batch_size=128] [regen.seed=0] [regen.cache=auto]
 
 `target.*` and `data.*` are the training job's own config fields (`data.max_rows`, `data.split`,
 `target.dtype`, ...). Each assistant turn is generated from the conversation so far (with the turns
@@ -15,6 +15,19 @@ longest first) before it is cut into batches, so a batch pads little and rarely 
 reply; the window's rows are written in input order once all of it is done. `temperature=0` is
 greedy (the output does not depend on batching); otherwise sampling is seeded per batch, so an
 interrupted run resumed later writes the same rows as an uninterrupted one.
+
+KV cache (`cache`, logged): `dynamic` is transformers' default cache, grown token by token, run
+eagerly. `static` preallocates the cache, and on CUDA transformers then compiles the decode step
+(`torch.compile`, its default mode `reduce-overhead`: CUDA graphs): the serving-speed path. Shapes stay
+fixed so the compiled step is reused: every batch has `batch_size` rows (filler rows, copies of a real
+prompt, make up a short batch and are dropped: never written, never counted) and its prompts are
+left-padded to a multiple of `prompt_bucket` tokens. Its decode steps attend on the key/value heads
+themselves (`sdpa_gqa_decode`; transformers' sdpa would copy each one per query head, the whole cache
+every step). `auto` (default) is static on CUDA for models
+whose cache can be static, dynamic otherwise (CPU; hybrid linear-attention models, whose recurrent
+layers have no KV cache). Greedy rows are the same with either cache and any batch size (the tests
+check it on CPU in fp32; on a GPU, kernels picked per shape may round differently); sampled rows
+depend on the cache and the batch size (filler rows draw random numbers too), as they do on the seed.
 
 Prompts are rendered with `data.chat_template_kwargs` (e.g. `{enable_thinking: false}`), the same
 options training and `evaluate` render with. Each regenerated assistant turn records whether the
@@ -57,9 +70,15 @@ class RegenConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     max_new_tokens: int = 512  # per assistant turn
-    batch_size: int = 16  # conversations generated together
+    # 128 rows: an 8B target reads its 16 GB of weights once per decode step whatever the batch, so below
+    # ~100 rows the step costs about the same and yields fewer tokens; its KV cache (~147 KB a token) for
+    # 128 rows of a 1k-token prompt plus 512 new tokens is ~29 GB, which fits an 80 GB GPU beside the weights.
+    # Lower it for long prompts (or a small GPU): the static cache holds rows x (bucketed prompt + new tokens).
+    batch_size: int = 128  # conversations generated together
     sort_window: int = 16  # batches whose conversations are sorted by length together; 1 = input order
     seed: int = 0  # sampling seed (per batch: seed + batch index)
+    cache: str = "auto"  # KV cache: auto (static on CUDA where the model allows it), dynamic or static
+    prompt_bucket: int = 256  # static cache: prompts left-padded to a multiple of this many tokens
 
 
 def conversation_key(messages: list[dict]) -> str:
@@ -121,40 +140,165 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
     return sorted(ids)
 
 
+CACHES = ("auto", "dynamic", "static")
+# Cache layers a static cache holds as fixed-size KV tensors; any other kind (a linear-attention layer's
+# recurrent state) keeps such a model on the dynamic cache.
+STATIC_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def static_cache_refusal(model) -> str | None:
+    """Why `model` cannot generate with transformers' static KV cache, or None when it can."""
+    if not getattr(type(model), "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} is not marked compilable by transformers (_can_compile_fullgraph)"
+    config = model.config.get_text_config(decoder=True)
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - STATIC_LAYER_TYPES)
+    if other:
+        return f"{type(model).__name__} has {', '.join(other)} layers (a recurrent state, not a KV cache)"
+    return None
+
+
+def resolve_cache(choice: str, model, device: torch.device) -> str:
+    """`cache=auto|dynamic|static` -> the cache regeneration generates with, "static" or "dynamic" (logged).
+
+    A static cache pays where transformers compiles the decode step around it, which it does on CUDA
+    only; elsewhere `auto` keeps the dynamic cache. A model that cannot hold a static cache falls
+    back to the dynamic one."""
+    if choice not in CACHES:
+        raise ValueError(f"cache={choice!r} is not a cache; use one of {', '.join(CACHES)}")
+    refusal = static_cache_refusal(model) if choice != "dynamic" else None
+    if choice == "dynamic":
+        why = "asked for"
+    elif refusal:
+        why = f"not static: {refusal}"
+    elif choice == "auto" and device.type != "cuda":
+        why = f"auto on {device.type}: transformers compiles the static-cache decode step on CUDA only"
+    else:
+        log.info("regen: static KV cache (cache=%s): batches padded to batch_size rows and prompts to the bucket, "
+                 "so the decode step that transformers compiles on CUDA keeps its shapes", choice)
+        return "static"
+    log.info("regen: dynamic KV cache (cache=%s; %s)", choice, why)
+    return "dynamic"
+
+
+# The static path's attention (registered with transformers under this name): sdpa, but a one-token
+# query of a GQA layer attends on the key/value heads themselves.
+GQA_DECODE = "regen_sdpa_gqa_decode"  # no "flash" in it: transformers reads that as flash attention
+
+
+def sdpa_gqa_decode(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, except for a decode step (one query token) of a grouped-query layer:
+    there its `groups` query heads per key/value head become `groups` query rows of that head, so
+    the cache is read once. transformers repeats every key/value head `groups` times whenever a mask
+    is given, as a static cache always needs (its unwritten slots are masked): compiled, that copies
+    the whole cache `groups`-fold every step, the largest traffic of a big batch's decode step."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    b, h, _, d = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, h // groups, groups, d), key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"))
+    return out.reshape(b, 1, h, value.shape[-1]), None  # (batch, query length, heads, head dim), as sdpa's
+
+
+def register_gqa_decode() -> str:
+    """Register `sdpa_gqa_decode` (and sdpa's mask for it) with transformers, under GQA_DECODE."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(GQA_DECODE, sdpa_gqa_decode)
+    AttentionMaskInterface.register(GQA_DECODE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return GQA_DECODE
+
+
+def bucket_width(width: int, bucket: int) -> int:
+    """`width` rounded up to a multiple of `bucket`."""
+    return -(-width // bucket) * bucket
+
+
 class Regenerator:
-    def __init__(self, model, tokenizer, cfg: RegenConfig, chat_template_kwargs: dict | None = None):
-        self.model, self.tok, self.cfg = model, tokenizer, cfg
+    def __init__(self, model, tokenizer, cfg: RegenConfig, chat_template_kwargs: dict | None = None,
+                 cache: str = "dynamic", gqa_decode: bool = True):
+        assert cache in ("dynamic", "static"), cache  # resolve_cache turns `auto` into one of them
+        self.model, self.tok, self.cfg, self.cache = model, tokenizer, cfg, cache
+        # The static path's attention: sdpa with GQA decode steps on the key/value heads (`gqa_decode`,
+        # off only to measure transformers' own); other attentions are left as they are.
+        self.attention = register_gqa_decode() if cache == "static" and gqa_decode \
+            and model.config._attn_implementation == "sdpa" else model.config._attn_implementation
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.device = model.get_input_embeddings().weight.device
         self.stop = stop_token_ids(tokenizer, model)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
         self.split_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-        self.new_tokens = 0  # tokens generated so far (each reply up to its stop token)
+        self.new_tokens = 0  # tokens generated so far (each reply up to its stop token; never a filler row's)
+        self.shapes: set[tuple[int, int]] = set()  # static: (rows, cache length) of every call so far
 
     @torch.no_grad()
     def generate(self, prompts: list[list[dict]], tools: list[list | None] | None = None) -> list[tuple[str, bool]]:
         """(reply, finished) per conversation prefix, generated as one left-padded batch; `finished`
-        is False when the reply ran into `max_new_tokens` without a stop token."""
+        is False when the reply ran into `max_new_tokens` without a stop token.
+
+        With the static cache every call has the same rows (`batch_size`: filler rows, copies of the
+        first prompt, make up the number and are dropped) and a bucketed prompt width, so the cache and
+        the compiled decode step take one shape per bucket. Rows never mix (the attention of each is
+        its own and greedy picks per row), and a copy stops when its original does."""
         tools = tools or [None] * len(prompts)
         ids = [render_chat(self.tok, p, self.chat_template_kwargs, True, t) for p, t in zip(prompts, tools)]
         ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in ids]
-        width = max(len(x) for x in ids)
+        num_real, width = len(ids), max(len(x) for x in ids)
+        extra = {}
+        if self.cache == "static":
+            assert num_real <= self.cfg.batch_size, (num_real, self.cfg.batch_size)
+            ids += [ids[0]] * (self.cfg.batch_size - num_real)
+            width = bucket_width(width, self.cfg.prompt_bucket)
+            self._size_static_cache(len(ids), width + self.cfg.max_new_tokens - 1)
+            extra["cache_implementation"] = "static"
         input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids], device=self.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
         sample = self.cfg.temperature > 0
         kwargs = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample \
             else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
-                                  eos_token_id=self.stop, pad_token_id=self.pad, **kwargs)
+        config, attention = self.model.config, self.model.config._attn_implementation
+        config._attn_implementation = self.attention  # for this call only: the model may serve other callers
+        try:
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
+                                      eos_token_id=self.stop, pad_token_id=self.pad, **kwargs, **extra)
+        finally:
+            config._attn_implementation = attention
         stop = set(self.stop)
         replies = []
-        for row in out.tolist():
+        for row in out[:num_real].tolist():  # filler rows end here
             new = row[width:]
             # Padding after a finished row may be a stop id too, but only ever after a real one.
             end = next((i for i, t in enumerate(new) if t in stop), None)
             self.new_tokens += len(new) if end is None else end + 1
             replies.append((self.tok.decode(new, skip_special_tokens=True).strip(), end is not None))
         return replies
+
+    def _size_static_cache(self, rows: int, cache_len: int) -> None:
+        """Before a static-cache call of `rows` x `cache_len`: the cache gets exactly that length, and
+        Dynamo may compile once per such shape.
+
+        transformers sizes a static cache to the longest call so far (`_previous_max_cache_length`, so
+        that it need not recompile): a short batch after a long one would then attend over the long
+        one's length. Forgetting it sizes each call to its own bucket; Dynamo marks the length dynamic
+        at its second value, so the buckets cost one more compile, not one each. Should it specialise
+        every shape instead, the recompile limit is raised to the number of shapes, so a bucket never
+        drops the decode step to eager."""
+        import torch._dynamo
+
+        self.model._previous_max_cache_length = -1
+        if (rows, cache_len) in self.shapes:
+            return
+        self.shapes.add((rows, cache_len))
+        config = torch._dynamo.config
+        if len(self.shapes) > config.recompile_limit:
+            old = config.recompile_limit
+            config.recompile_limit = 2 * len(self.shapes)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * config.recompile_limit)
+            log.info("regen: %d static-cache shapes so far: torch._dynamo.config.recompile_limit raised from %d to %d",
+                     len(self.shapes), old, config.recompile_limit)
 
     def regenerate(self, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[list[dict]]:
         """Every assistant turn replaced, turn by turn; each turn sees the replies regenerated before it."""
@@ -179,9 +323,11 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
 
     if not cfg.out:
         raise ValueError("out= is missing; name the output jsonl, e.g. out=regenerated.jsonl")
-    if cfg.batch_size < 1 or cfg.max_new_tokens < 1 or cfg.sort_window < 1:
+    if min(cfg.batch_size, cfg.max_new_tokens, cfg.sort_window, cfg.prompt_bucket) < 1:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
-                         f"{cfg.sort_window}: all must be >= 1")
+                         f"{cfg.sort_window}, prompt_bucket={cfg.prompt_bucket}: all must be >= 1")
+    if cfg.cache not in CACHES:
+        raise ValueError(f"cache={cfg.cache!r} is not a cache; use one of {', '.join(CACHES)}")
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun, one GPU per process
     job = resolve(job)
     path = job.target.path
@@ -217,7 +363,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
             stats["skipped_done"] += 1
             continue
         todo.append((messages, tools, n))
-    regen = Regenerator(model, tok, cfg, job.data.chat_template_kwargs)
+    regen = Regenerator(model, tok, cfg, job.data.chat_template_kwargs, cache=resolve_cache(cfg.cache, model, device))
     dest = parts[rank] if parts else cfg.out
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     t0 = time.perf_counter()

@@ -61,7 +61,7 @@ def _python(*args: str, timeout: float | None = None) -> None:
 
 
 def run_pipeline(work: str, size: str = "tiny", world: int = 2, cache_dir: str = "",
-                 extra_train: list[str] | None = None, **settings) -> dict:
+                 extra_train: list[str] | None = None, regen_cache: str = "auto", **settings) -> dict:
     """regenerate -> torchrun train -> evaluate (trained and untrained); returns both eval reports.
 
     `settings` replace PROFILES[size] entries (num_rows, max_new_tokens, regen_batch, train_epochs,
@@ -74,7 +74,7 @@ def run_pipeline(work: str, size: str = "tiny", world: int = 2, cache_dir: str =
     data = os.path.join(work, "regenerated.jsonl")
     t0 = time.perf_counter()
     _python("-m", "dflash_mp.regenerate", *target, f"data.max_rows={prof['num_rows']}", f"out={data}",
-            f"max_new_tokens={prof['max_new_tokens']}", f"batch_size={prof['regen_batch']}")
+            f"max_new_tokens={prof['max_new_tokens']}", f"batch_size={prof['regen_batch']}", f"cache={regen_cache}")
     timings = {"regenerate_s": time.perf_counter() - t0}
     run_dir = os.path.join(work, "run")
     train = [*target, f"data.path={data}", f"run_dir={run_dir}", "topology.num_target_ranks=1",
@@ -115,6 +115,7 @@ class ProofConfig:
     rows: Optional[int] = None  # conversations to regenerate; null = the size's
     epochs: Optional[float] = None  # drafter training epochs; null = the size's
     world_size: int = 2  # processes of the training run: one target rank, the rest drafter ranks
+    regen_cache: str = "auto"  # regeneration's KV cache (regen.cache): auto | dynamic | static
 
 
 def run_proof(opts: ProofConfig, train: list[str]) -> dict:
@@ -122,7 +123,8 @@ def run_proof(opts: ProofConfig, train: list[str]) -> dict:
     if opts.size not in PROFILES:
         raise ValueError(f"proof.size={opts.size!r} is not a size; use one of {', '.join(PROFILES)}.")
     settings = {k: v for k, v in (("num_rows", opts.rows), ("train_epochs", opts.epochs)) if v is not None}
-    reports = run_pipeline(opts.work, size=opts.size, world=opts.world_size, extra_train=train, **settings)
+    reports = run_pipeline(opts.work, size=opts.size, world=opts.world_size, extra_train=train,
+                           regen_cache=opts.regen_cache, **settings)
     print(f"timings: {reports.pop('timings')}")
     with open(os.path.join(opts.work, "reports.json"), "w") as f:
         json.dump(reports, f, indent=2)
