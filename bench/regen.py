@@ -188,6 +188,7 @@ def main() -> None:
 
     device = torch.device(a.device)
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     dtype = resolve_dtype(a.dtype, device)
     with tempfile.TemporaryDirectory() as tmp:
