@@ -472,8 +472,7 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> s
     if target is not None:
         rows += [("target attention implementation", target.attention),
                  ("target linear-attention layers", target.linear_how),
-                 ("target forward compiled", (f"yes ({target.compile_scope} scope{', MoE experts eager' if target.compile_note else ''})"
-                                              if target.compiled else "no"))]
+                 ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no")]
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
