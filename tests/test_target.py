@@ -147,12 +147,13 @@ def test_flex_attention_asked_for_on_qwen3_5_loads_through_the_registered_functi
 def test_a_compiled_forward_that_differs_from_eager_falls_back_to_eager(tmp_path, caplog):
     """At load a compiled target is checked against its eager forward on a packed row: a compiled
     forward equal to rounding stays; one whose features are off (as a MoE hybrid's measured on the
-    GPU) is replaced by the eager forward, warned, and the worker says it is not compiled."""
+    GPU) is replaced by the eager forward, warned, and the worker says it is not compiled. Here the
+    whole-forward compile (compile_scope="forward"); the layer-by-layer one in test_hybrid_targets."""
     import logging
 
     model = tiny_model(tmp_path)
     truncate(model, 3)
-    worker = TargetWorker(model, [1, 3], torch.device("cpu"), compile=True)
+    worker = TargetWorker(model, [1, 3], torch.device("cpu"), compile=True, compile_scope="forward")
     assert worker.check_compiled(64) < 1e-5 and worker.compiled
     compiled = worker._run
     worker._run = lambda *a, **k: compiled(*a, **k) * 1.5  # a compile that gets the features wrong
