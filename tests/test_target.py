@@ -141,6 +141,7 @@ def test_flex_attention_asked_for_on_qwen3_5_loads_through_the_registered_functi
     path = resolve_target_path("builtin:random-tiny-qwen3.5", str(tmp_path / "cache"))
     flex = TargetWorker.load(path, [1, 3], torch.device("cpu"), torch.float32, "flex_attention", packing_check=False)
     assert flex.model.config._attn_implementation == FLEX_OUTSIDE_GRAPH and flex.flex
+    assert "flash" not in FLEX_OUTSIDE_GRAPH  # transformers reads any "...flash..." name as flash attention
     assert flex.attention == f"flex_attention (registered as {FLEX_OUTSIDE_GRAPH})"
 
 

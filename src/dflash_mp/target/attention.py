@@ -13,8 +13,10 @@ log = logging.getLogger(__name__)
 
 ATTN_CHOICES = ("sdpa", "flex_attention", "eager")
 
-# The name under which `_flex_outside_graph` is registered with transformers' attention functions.
-FLEX_OUTSIDE_GRAPH = "dflash_mp_flex"
+# The name under which `_flex_outside_graph` is registered with transformers' attention functions. No
+# "flash" in it: transformers takes any implementation whose name contains "flash" for flash attention
+# (`is_flash_attention_requested`) and changes what it passes and masks accordingly.
+FLEX_OUTSIDE_GRAPH = "packed_flex_outside_graph"
 
 
 def supports_flex(model_cls: type) -> bool:
