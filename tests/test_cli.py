@@ -239,10 +239,10 @@ def test_proof_options_reach_its_run_typed_and_job_overrides_go_to_training(monk
 
     monkeypatch.setattr(proof, "run_pipeline", fake_pipeline)
     proof.main([f"proof.work={tmp_path}", "size=medium", "rows=40", "proof.epochs=2", "world_size=3",
-                "train.feature_noise=gaussian", "drafter.num_anchors=32"])
+                "regen_cache=dynamic", "train.feature_noise=gaussian", "drafter.num_anchors=32"])
     assert seen == {"work": str(tmp_path), "size": "medium", "world": 3,
                     "train": ["train.feature_noise=gaussian", "drafter.num_anchors=32"],
-                    "settings": {"num_rows": 40, "train_epochs": 2.0}}
+                    "settings": {"num_rows": 40, "train_epochs": 2.0, "regen_cache": "dynamic"}}
     assert type(seen["settings"]["train_epochs"]) is float
     assert (tmp_path / "reports.json").exists()
     # A job override is checked before anything runs: the pipeline takes minutes.
