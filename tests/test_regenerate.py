@@ -320,3 +320,20 @@ def test_static_decode_compiles_at_most_twice_over_batches_and_buckets(tmp_path,
         assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
     finally:
         torch._dynamo.reset()
+
+
+def test_progress_is_logged_after_every_batch(data, tmp_path, capsys, caplog):
+    """Each batch logs the rows generated so far, those written, generated tokens/s and the ETA; the
+    last line counts every row."""
+    import logging
+    import re
+
+    d, path = data
+    with caplog.at_level(logging.INFO, logger="dflash_mp.regenerate"):
+        run(path, tmp_path / "out.jsonl", d / "cache", capsys, "sort_window=2")
+    lines = [r.getMessage() for r in caplog.records if "rows generated" in r.getMessage()]
+    counts = [tuple(map(int, re.search(r"(\d+)/(\d+) rows generated \((\d+) written\)", m).groups())) for m in lines]
+    # 5 rows in batches of 2, windows of 4 rows: batches of 2, 2 (window written), then 1.
+    assert counts == [(2, NUM_GOOD, 0), (4, NUM_GOOD, 0), (5, NUM_GOOD, 4)], lines
+    assert all(re.search(r"\d+ tokens/s, [\d.]+ s, ETA \d+ s$", m) for m in lines)
+    assert lines[-1].endswith("ETA 0 s")

@@ -38,7 +38,7 @@ block is stored as `reasoning_content` (the HF/OpenAI schema); the row's `tools`
 Several processes, one GPU each: `torchrun --nproc-per-node N -m dflash_mp.regenerate ...` deals the
 sorted windows out round-robin; each process appends its rows to `out.part<r>of<N>`, and once all are
 done rank 0 merges them into `out` in input order (the same file one process writes, sampled rows
-included: a batch's seed is its place in the work). Each window logs rows, generated tokens/s and ETA.
+included: a batch's seed is its place in the work). Each batch logs rows, generated tokens/s and ETA.
 
 Resumable: rows already in `out` (matched by their non-assistant turns) are skipped and new rows are
 appended, flushed after every batch. Output rows are `{"messages": [...]}` (plus `tools` when the
@@ -372,6 +372,14 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     # depends on its place in it, so N processes write what one would (merged in input order below).
     mine = [w0 for i, w0 in enumerate(range(0, len(todo), window)) if i % world == rank]
     total = sum(len(todo[w0: w0 + window]) for w0 in mine)
+    generated = 0  # rows generated so far; a window's rows are written once all of it is done
+
+    def progress() -> None:  # after every batch: rows, generated tokens/s, ETA
+        dt = time.perf_counter() - t0
+        log.info("%s%d/%d rows generated (%d written), %.0f tokens/s, %.1f s, ETA %.0f s",
+                 f"rank {rank}: " if parts else "", generated, total, stats["written"], regen.new_tokens / dt, dt,
+                 (total - generated) * dt / max(generated, 1))
+
     with open(dest, "a", encoding="utf-8") as f:
         for w0 in mine:
             chunk = todo[w0: w0 + window]
@@ -389,6 +397,8 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
                 convs = regen.regenerate([chunk[i][0] for i in idx], [chunk[i][1] for i in idx])
                 for i, conv in zip(idx, convs):
                     done[i] = conv
+                generated += len(idx)
+                progress()
             for conv, (_, tools, n) in zip(done, chunk):
                 replies = [m for m in conv if m["role"] == "assistant"]
                 stats["empty_replies"] += sum(not m["content"] and not m.get("reasoning_content") for m in replies)
@@ -398,10 +408,6 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
                 stats["written"] += 1
             f.flush()
             os.fsync(f.fileno())
-            dt = time.perf_counter() - t0
-            rate = stats["written"] / dt
-            log.info("%s%d/%d rows, %.0f tokens/s, %.1f s, ETA %.0f s", f"rank {rank}: " if parts else "",
-                     stats["written"], total, regen.new_tokens / dt, dt, (total - stats["written"]) / max(rate, 1e-9))
     stats["new_tokens"] = regen.new_tokens
     if parts:
         stats = merge_parts(cfg.out, parts, stats, rank, group)
