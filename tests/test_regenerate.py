@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dflash_mp.cli import compose_tool
 from dflash_mp.regenerate import conversation_key, main
@@ -337,3 +338,20 @@ def test_progress_is_logged_after_every_batch(data, tmp_path, capsys, caplog):
     assert counts == [(2, NUM_GOOD, 0), (4, NUM_GOOD, 0), (5, NUM_GOOD, 4)], lines
     assert all(re.search(r"\d+ tokens/s, [\d.]+ s, ETA \d+ s$", m) for m in lines)
     assert lines[-1].endswith("ETA 0 s")
+
+
+def test_running_out_of_memory_names_the_batch_size_and_keeps_the_rows(data, tmp_path, capsys, monkeypatch):
+    """An out-of-memory error in generation says which setting to lower, and what was written stays."""
+    d, path = data
+    out = tmp_path / "out.jsonl"
+    run(path, out, d / "cache", capsys, "data.max_rows=2")
+    written = out.read_text()
+
+    def oom(self, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB")
+
+    from transformers import GenerationMixin
+    monkeypatch.setattr(GenerationMixin, "generate", oom)
+    with pytest.raises(RuntimeError, match=r"out of memory generating 2 rows .*lower regen\.batch_size \(now 2\)"):
+        run(path, out, d / "cache", capsys)
+    assert out.read_text() == written

@@ -264,6 +264,11 @@ class Regenerator:
         try:
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.cfg.max_new_tokens,
                                       eos_token_id=self.stop, pad_token_id=self.pad, **kwargs, **extra)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"out of memory generating {input_ids.shape[0]} rows of {width} prompt + {self.cfg.max_new_tokens} new "
+                f"tokens ({self.cache} KV cache): lower regen.batch_size (now {self.cfg.batch_size}) or "
+                f"regen.max_new_tokens; the rows written so far are kept and a rerun continues after them") from e
         finally:
             config._attn_implementation = attention
         stop = set(self.stop)
