@@ -226,3 +226,39 @@ def test_snapshot_into_reused_pinned_buffers_is_a_copy_of_that_moment():
     second = snapshot(state, pinned)
     torch.cuda.synchronize()
     assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], want + 1)
+
+
+def _saves_closer_than_a_write(rank, world, root):
+    """A save that has to wait for the previous one's write warns, once, naming checkpoint.every."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dflash_mp.checkpoint").addHandler(handler)
+    write = ckpt.save_file
+
+    def slow(obj, path):
+        if path.endswith("drafter.pt.part") or path.endswith("drafter.pt"):
+            time.sleep(1.5)
+        write(obj, path)
+
+    ckpt.save_file = slow
+    model = torch.nn.Linear(4, 2)
+    cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=5)
+    for step in (1, 2, 3):  # each save comes while the previous one is still being written
+        cp.save(model, step, 10)
+    cp.wait()
+    ckpt.save_file = write
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_saves_closer_than_a_write_warn_once(tmp_path):
+    from dist_utils import run_ranks
+
+    warnings = run_ranks(_saves_closer_than_a_write, 1, str(tmp_path), timeout=60)[0]
+    assert len(warnings) == 1 and "checkpoint of step 2 waited" in warnings[0], warnings
+    assert "raise checkpoint.every" in warnings[0]

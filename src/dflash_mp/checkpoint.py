@@ -250,6 +250,7 @@ class Checkpointer:
         self.last_s = 0.0
         self.stall_s = 0.0  # how long the last save held training up (the host copy)
         self._pinned: dict = {}  # host buffers of the snapshot, reused by every save (its write is over by then)
+        self._warned_interval = False
 
     def resolve(self, resume: str) -> tuple[int, str | None]:
         return resume_point(resume, self.root)
@@ -259,6 +260,12 @@ class Checkpointer:
         state is copied (the leader's write goes on in the background), or written with `wait`."""
         t0 = time.monotonic()  # the pause counts the wait for the previous write too
         self.wait()
+        waited = time.monotonic() - t0
+        if self.leader and waited > 1.0 and not self._warned_interval:
+            self._warned_interval = True
+            log.warning("checkpoint of step %d waited %.1f s for the previous one's write (%.1f s a checkpoint): "
+                        "checkpoint.every is shorter than a write takes, so training pauses at every save; raise "
+                        "checkpoint.every (warned once)", step, waited, self.last_s or waited)
         tmp = tmp_dir(self.root, step)
         os.makedirs(tmp, exist_ok=True)
         save_file(get_rng_state(), os.path.join(tmp, rng_file(self.rank)))
