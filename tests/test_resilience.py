@@ -320,7 +320,10 @@ def test_silent_target_ends_every_rank_within_the_transport_timeout(tmp_path):
     msg, after = rank_error(out, "no data from target rank 0")
     want = f"drafter rank 1 failed: no data from target rank 0 for {TIMEOUT_S} s"
     assert msg.startswith(want), msg
-    assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after  # not before the timeout, nor long after
+    # Not before the timeout, nor long after. The liveness watcher adds quiet time a tick (1 s) at a
+    # time, so its first tick can count up to 1 s from before the wait began, and log times are
+    # truncated to the second: the error can be logged up to 2 s "early" against the fault's exact time.
+    assert TIMEOUT_S - 2.5 < after < TIMEOUT_S + 1.5, after
     assert took < SILENT_END_S, took
 
 
@@ -331,7 +334,7 @@ def test_drafter_that_stops_receiving_ends_every_rank_within_the_bound(tmp_path)
     msg, after = rank_error(out, "no credit from drafter rank 2")
     want = f"target rank 0 failed: no credit from drafter rank 2 for {TIMEOUT_S} s"
     assert msg.startswith(want), msg
-    assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after
+    assert TIMEOUT_S - 2.5 < after < TIMEOUT_S + 1.5, after  # as above
     assert took < SILENT_END_S, took  # well before the process-group timeout (12 s + teardown)
 
 
