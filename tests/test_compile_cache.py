@@ -22,9 +22,15 @@ if mode == "load":
 @torch.compile
 def step(x, w):
     return torch.relu(x @ w).square().sum(-1)
+@torch.compile
+def update(w, g):
+    return w - 0.1 * g.sign()
 step(torch.randn(32, 32), torch.randn(32, 32))
 if mode == "save":
-    compile_cache.save(path)
+    compile_cache.save(path)  # as the drafter's leader after its first backward
+update(torch.randn(32, 32), torch.randn(32, 32))
+if mode == "save":
+    compile_cache.save(path)  # and again after warm-up (the optimizer's graphs)
 print(json.dumps(dict(counters["inductor"])))
 """
 
@@ -45,50 +51,18 @@ def test_artifact_names_say_role_torch_and_device(tmp_path):
 
 @pytest.mark.slow
 def test_a_fresh_process_loads_what_another_compiled_and_saved(tmp_path):
+    """The file is saved twice, as the drafter's leader saves it: every graph of both saves is found
+    (torch's own reader kept only the last save's: a resumed 8B drafter compiled 9 of its 11 FX
+    graphs again)."""
     path = compile_cache.artifact_path(str(tmp_path / "run"), "drafter", torch.device("cpu"))
     first = compile_in_a_new_process(tmp_path, "save", path, "cache_a")
-    assert first.get("fxgraph_cache_miss", 0) >= 1 and os.path.getsize(path) > 0
+    assert first.get("fxgraph_cache_miss", 0) == 2 and os.path.getsize(path) > 0
     # A restart, or another node of the job: an empty Inductor cache, the run directory's artifacts.
     again = compile_in_a_new_process(tmp_path, "load", path, "cache_b")
-    assert again.get("fxgraph_cache_hit", 0) >= 1 and again.get("fxgraph_cache_miss", 0) == 0, again
+    assert again.get("fxgraph_cache_hit", 0) == 2 and again.get("fxgraph_cache_miss", 0) == 0, again
     # Without the artifacts the same fresh start compiles.
     cold = compile_in_a_new_process(tmp_path, "none", path, "cache_c")
-    assert cold.get("fxgraph_cache_miss", 0) >= 1 and cold.get("fxgraph_cache_hit", 0) == 0, cold
-
-
-TWO_SAVES = r"""
-import json, sys, torch
-from torch._dynamo.utils import counters
-from dflash_mp import compile_cache
-mode, path = sys.argv[1], sys.argv[2]
-if mode == "load":
-    compile_cache.load(path)
-f = torch.compile(lambda x: torch.relu(x).square().sum(), dynamic=False)
-g = torch.compile(lambda x: (x.sin() * 2).mean(), dynamic=False)
-f(torch.randn(64))
-if mode == "save":
-    compile_cache.save(path)  # as the drafter after its first backward
-g(torch.randn(64))
-if mode == "save":
-    compile_cache.save(path)  # and again after warm-up (the optimizer's graphs)
-print(json.dumps(dict(counters["inductor"])))
-"""
-
-
-@pytest.mark.slow
-def test_a_file_saved_twice_gives_back_every_graph(tmp_path):
-    """torch's own reader keeps only the last save's graphs of a file written by two saves (a
-    resumed 8B drafter compiled 9 of its 11 FX graphs again); `load` finds them all."""
-    path = compile_cache.artifact_path(str(tmp_path / "run"), "drafter", torch.device("cpu"))
-    runs = []
-    for mode, cache in (("save", "cache_a"), ("load", "cache_b")):
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache), "OMP_NUM_THREADS": "1"}
-        p = subprocess.run([sys.executable, "-c", TWO_SAVES, mode, path], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    assert runs[0].get("fxgraph_cache_miss", 0) == 2
-    assert runs[1].get("fxgraph_cache_hit", 0) == 2 and runs[1].get("fxgraph_cache_miss", 0) == 0, runs[1]
+    assert cold.get("fxgraph_cache_miss", 0) == 2 and cold.get("fxgraph_cache_hit", 0) == 0, cold
 
 
 def test_an_unreadable_artifact_file_means_compiling_not_failing(tmp_path):
