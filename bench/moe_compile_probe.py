@@ -41,7 +41,8 @@ def main() -> None:
     cfg = hf_config(arch, num_hidden_layers=4, layer_types=hybrid_layer_types(4))
     torch.manual_seed(0)
     with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if dev.type == 'cuda' else torch.float32, attn_implementation="sdpa")
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     dec = model.get_decoder()
     h = torch.randn(1, a.seq_len, cfg.hidden_size, device=dev, dtype=next(model.parameters()).dtype)

@@ -155,6 +155,20 @@ def test_checkpointer_round_trip_restores_weights_and_each_ranks_rng(tmp_path):
     assert ckpt.Checkpointer(str(tmp_path / "none"), 0, True, None, 2).resolve("") == (0, None)
 
 
+def slow_trainer_state_writes(seconds: float):
+    """ckpt.save_file, but writing the trainer state (drafter.pt) takes `seconds` longer."""
+    import time
+
+    write = ckpt.save_file
+
+    def slow(obj, path):
+        if path.endswith("drafter.pt.part") or path.endswith("drafter.pt"):
+            time.sleep(seconds)
+        write(obj, path)
+
+    return slow
+
+
 def _background_save(rank, world, root):
     """The leader's write is slowed: save() returns once the state is copied, training changes the
     live weights, and the checkpoint still holds the step's; a failed write is raised by wait()."""
@@ -166,13 +180,7 @@ def _background_save(rank, world, root):
     model = torch.nn.Linear(4, 2)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     write = ckpt.save_file
-
-    def slow(obj, path):
-        if path.endswith("drafter.pt.part") or path.endswith("drafter.pt"):
-            time.sleep(2.0)
-        write(obj, path)
-
-    ckpt.save_file = slow
+    ckpt.save_file = slow_trainer_state_writes(2.0)
     cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=2, manifest={"world_size": world})
     t0 = time.monotonic()
     cp.save(model, 3, 10)
@@ -231,7 +239,6 @@ def test_snapshot_into_reused_pinned_buffers_is_a_copy_of_that_moment():
 def _saves_closer_than_a_write(rank, world, root):
     """A save that has to wait for the previous one's write warns, once, naming checkpoint.every."""
     import logging
-    import time
 
     import torch.distributed as dist
 
@@ -240,13 +247,7 @@ def _saves_closer_than_a_write(rank, world, root):
     handler.emit = records.append
     logging.getLogger("dflash_mp.checkpoint").addHandler(handler)
     write = ckpt.save_file
-
-    def slow(obj, path):
-        if path.endswith("drafter.pt.part") or path.endswith("drafter.pt"):
-            time.sleep(1.5)
-        write(obj, path)
-
-    ckpt.save_file = slow
+    ckpt.save_file = slow_trainer_state_writes(1.5)
     model = torch.nn.Linear(4, 2)
     cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=5)
     for step in (1, 2, 3):  # each save comes while the previous one is still being written
