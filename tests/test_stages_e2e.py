@@ -89,7 +89,8 @@ def test_a_frozen_stage_ends_every_rank_within_the_bound_naming_it(tmp_path):
     msg, after = rank_error(out, "no data from target rank")
     assert re.match(r"(target rank 1 \(stage 1 of 2\)|drafter rank 2) failed: no data from target rank", msg), msg
     assert f"for {TIMEOUT_S} s" in msg and "it is alive: target rank 0 (stage 0 of 2) [training" in msg, msg
-    assert TIMEOUT_S - 1.5 < after < TIMEOUT_S + 1.5, after
+    # The watcher adds quiet time a 1 s tick at a time and log times are whole seconds: up to 2 s "early".
+    assert TIMEOUT_S - 2.5 < after < TIMEOUT_S + 1.5, after
     assert took < TIMEOUT_S + 5, took
 
 
