@@ -43,7 +43,7 @@ import time
 import torch
 import torch._dynamo
 
-from common import write_json
+from common import sync, write_json
 from dflash_mp.builtin import resolve_target_path
 from dflash_mp.builtin.__main__ import main as builtin_main
 from dflash_mp.compile_stats import counts, graph_mismatches
@@ -91,11 +91,6 @@ def free_bytes(device: torch.device) -> float:
         return float("inf")
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_variant(name: str, model, tok, prompts, lengths, a, env, deadline: float, left: int) -> dict:

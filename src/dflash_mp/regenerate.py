@@ -157,14 +157,18 @@ def static_cache_refusal(model) -> str | None:
     return None
 
 
+def check_cache(choice: str) -> None:
+    if choice not in CACHES:
+        raise ValueError(f"cache={choice!r} is not a cache; use one of {', '.join(CACHES)}")
+
+
 def resolve_cache(choice: str, model, device: torch.device) -> str:
     """`cache=auto|dynamic|static` -> the cache regeneration generates with, "static" or "dynamic" (logged).
 
     A static cache pays where transformers compiles the decode step around it, which it does on CUDA
     only; elsewhere `auto` keeps the dynamic cache. A model that cannot hold a static cache falls
     back to the dynamic one."""
-    if choice not in CACHES:
-        raise ValueError(f"cache={choice!r} is not a cache; use one of {', '.join(CACHES)}")
+    check_cache(choice)
     refusal = static_cache_refusal(model) if choice != "dynamic" else None
     if choice == "dynamic":
         why = "asked for"
@@ -331,8 +335,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     if min(cfg.batch_size, cfg.max_new_tokens, cfg.sort_window, cfg.prompt_bucket) < 1:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
                          f"{cfg.sort_window}, prompt_bucket={cfg.prompt_bucket}: all must be >= 1")
-    if cfg.cache not in CACHES:
-        raise ValueError(f"cache={cfg.cache!r} is not a cache; use one of {', '.join(CACHES)}")
+    check_cache(cfg.cache)  # before the model loads (minutes for a large target)
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun, one GPU per process
     job = resolve(job)
     path = job.target.path

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 TOLERANCES = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (2e-2, 3e-2), torch.float16: (1e-2, 2e-2)}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def per_token_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-token relative difference of [1, n, H] tensors."""
     a, b = a[0].float(), b[0].float()
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
@@ -52,7 +52,7 @@ def probe_row(worker, lengths, g: torch.Generator) -> tuple[torch.Tensor, torch.
     return x, pos, docs
 
 
-class _Row:
+class ProbeRow:
     """One probe row's position ids, masks, spans and RoPE tables, as the worker's forward builds them."""
 
     def __init__(self, worker, docs: torch.Tensor, pos: torch.Tensor, like: torch.Tensor):
@@ -61,9 +61,9 @@ class _Row:
         self.spans = worker.spans(docs)
         self.rope = worker.rope(like, self.pos)
 
-    def run(self, worker, i: int, h: torch.Tensor) -> torch.Tensor:
+    def run(self, worker, i: int, h: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         with documents(self.spans):
-            return worker.run_layer(i, h, self.pos, self.rope, self.masks)
+            return worker.run_layer(i, h, self.pos, self.rope, self.masks, compiled=compiled)
 
 
 @torch.inference_mode()
@@ -77,8 +77,8 @@ def check_packing(worker, lengths: tuple[int, ...] = (128, 256), seed: int = 0) 
     h = (worker.decoder.embed_tokens(x.to(dev)) if worker.first_stage else x.to(dev))[None]
     starts = [sum(lengths[:d]) for d in range(len(lengths))]
     spans = [(s, s + m) for s, m in zip(starts, lengths)]
-    row = _Row(worker, docs, pos, h)
-    alone_rows = [_Row(worker, torch.zeros(m, dtype=torch.long), torch.arange(m), h[:, :m]) for m in lengths]
+    row = ProbeRow(worker, docs, pos, h)
+    alone_rows = [ProbeRow(worker, torch.zeros(m, dtype=torch.long), torch.arange(m), h[:, :m]) for m in lengths]
     tol_leak, tol_alone = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     diffs: dict[int, float] = {}
     for i in range(*worker.stage_layers):
@@ -87,8 +87,8 @@ def check_packing(worker, lengths: tuple[int, ...] = (128, 256), seed: int = 0) 
         for d, (s, e) in enumerate(spans):
             noisy = (torch.randn(h.shape, generator=g).to(dev) * scale).to(h.dtype)
             noisy[:, s:e] = h[:, s:e]
-            leak = float(_rel(row.run(worker, i, noisy)[:, s:e], out[:, s:e]).max())
-            alone = float(_rel(alone_rows[d].run(worker, i, h[:, s:e]), out[:, s:e]).median())
+            leak = float(per_token_rel(row.run(worker, i, noisy)[:, s:e], out[:, s:e]).max())
+            alone = float(per_token_rel(alone_rows[d].run(worker, i, h[:, s:e]), out[:, s:e]).median())
             diffs[i] = max(diffs.get(i, 0.0), leak, alone)
             where = f"target {type(worker.model).__name__}: layer {i} ({worker.layer_types[i]})"
             if not leak <= tol_leak:

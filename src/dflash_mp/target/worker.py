@@ -228,24 +228,24 @@ class TargetWorker:
         (bench/moe_compile_probe.py): a token whose top-8 of 256 experts changes on a last-bit
         difference takes other experts from then on. A whole-forward compile (`compile_scope=
         "forward"`) is compared whole."""
-        from .packing import probe_row
+        from .packing import ProbeRow, per_token_rel, probe_row
 
         lens = [probe_len // 3, probe_len // 2, probe_len - probe_len // 3 - probe_len // 2]
         x, pos, docs = probe_row(self, lens, torch.Generator().manual_seed(seed))
-        x, pos_d, docs_d = x.to(self.device), pos.to(self.device), docs.to(self.device)
+        x = x.to(self.device)
         if self.compile_scope == "forward":
+            pos_d, docs_d = pos.to(self.device), docs.to(self.device)
             got = self._capture(x, pos_d, docs_d, docs)
             with documents(self.spans(docs)):
-                rel = _mean_rel(got, self._forward(x, pos_d, self.masks(docs_d), eager=True))
+                want = self._forward(x, pos_d, self.masks(docs_d), eager=True)
+            rel = float(per_token_rel(got[None], want[None]).mean())
         else:
-            rel = 0.0
-            masks = self.masks(docs_d)
-            with documents(self.spans(docs)):
-                h, p, rope = self.embed(x, pos_d)
-                for i in range(*self.stage_layers):
-                    want = self.run_layer(i, h, p, rope, masks)
-                    rel = max(rel, _mean_rel(self.run_layer(i, h, p, rope, masks, compiled=True), want))
-                    h = want
+            h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
+            row, rel = ProbeRow(self, docs, pos, h), 0.0
+            for i in range(*self.stage_layers):
+                want = row.run(self, i, h)
+                rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
+                h = want
         tol = 1e-3 if self.dtype == torch.float32 else 0.1
         name = type(self.model).__name__
         if not rel <= tol:
@@ -254,8 +254,8 @@ class TargetWorker:
                         "skips the compile and this check.", name, rel, tol)
             self.compiled, self._run, self._calls = False, self._forward, self._eager_calls
         else:
-            log.info("target %s: compiled %s equals the eager one to %.1e per token (tolerance %.0e)", name,
-                     "forward" if self.compile_scope == "forward" else "layers each equal their eager forms", rel, tol)
+            log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)", name,
+                     *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol)
         return rel
 
     def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
@@ -263,8 +263,3 @@ class TargetWorker:
 
         return check_packing(self, lengths, seed)
 
-
-def _mean_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Mean over tokens of |got - want| / |want| (rows: tokens)."""
-    a, b = got.float().reshape(-1, got.shape[-1]), want.float().reshape(-1, want.shape[-1])
-    return float(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).mean())
