@@ -101,9 +101,11 @@ def write_json(obj, name: str) -> None:
 KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler reports them
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("flex_attention", ("flex", "triton_tem")),
+    ("attention", ("fmha", "flash", "attention")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),
     ("fused_triton", ("triton_",)),
+    ("linear_attention", ("chunk", "delta", "conv1d", "solve_tril", "l2norm", "recompute_w_u", "kkt", "cumsum")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduce", ("reduce", "norm")),
 )

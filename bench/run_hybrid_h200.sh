@@ -5,7 +5,8 @@
 #   job27    experiment=qwen3_5_27b on builtin:random-qwen3.5-27b, 1 target + 1 drafter sharing the GPU
 #            (what num_target_ranks=auto picks for 2 processes), compiled as by default, from the
 #            Inductor cache as found (empty on a fresh machine: the cold start is part of the figure);
-#            $JOB27_ARGS adds overrides (train.compile=eager: a drafter that compiles nothing)
+#            $JOB27_ARGS adds overrides (train.compile=eager: a drafter that compiles nothing), $JOB27_NAME
+#            names its run directory (job27)
 #   targets  bench/hybrid_targets.py: each hybrid/MoE target loaded as the job does, timed ($TARGETS)
 #   job35    builtin:random-qwen3.5-35b-a3b under the 27B preset's drafter (its MLP width set: the MoE
 #            has no dense width to copy), 1 + 1 on the GPU ($JOB35_ARGS adds overrides)
@@ -39,7 +40,7 @@ python3 -c "import fla, torch, transformers, triton; print('fla', fla.__version_
 'transformers', transformers.__version__, 'triton', triton.__version__)" >> "$LOG" 2>&1
 bg=()
 if has job27; then
-    (job job27 "${T_JOB27:-540}" experiment=qwen3_5_27b target.path=builtin:random-qwen3.5-27b \
+    (job "${JOB27_NAME:-job27}" "${T_JOB27:-540}" experiment=qwen3_5_27b target.path=builtin:random-qwen3.5-27b \
         topology.num_target_ranks=auto train.max_steps="${STEPS27:-120}" ${JOB27_ARGS:-}) & bg+=($!)
 fi
 if has tests; then
@@ -50,7 +51,7 @@ for j in "${bg[@]}"; do wait "$j"; done
 has targets && step targets "${T_TARGETS:-420}" python3 bench/hybrid_targets.py ${TARGETS:+--targets "$TARGETS"}
 has job35 && job job35 "${T_JOB35:-420}" experiment=qwen3_5_27b target.path=builtin:random-qwen3.5-35b-a3b \
     drafter.intermediate_size=6144 train.max_steps="${STEPS35:-120}" ${JOB35_ARGS:-}
-tar czf "$OUT/hybrid_runs.tgz" -C "$W" --exclude='*.pt' --exclude='checkpoints' --exclude='export' \
+tar czf "$OUT/hybrid_runs.tgz" -C "$W" --exclude='*.pt' --exclude='checkpoints' --exclude='compile_cache' --exclude='export' \
     $(cd "$W" && ls -d job* 2>/dev/null) 2>/dev/null
 grep -E "^== |passed|failed|varlen vs|compiled vs|packing check, per|flex \(reg" "$LOG" | cut -c1-240
 grep -E "^target \||^builtin:" "$LOG"

@@ -21,11 +21,16 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
     return (a - b).norm().item() <= rel * max(b.norm().item(), 1e-12)
 
 
-@pytest.mark.parametrize("targets,world", [(1, 2), (1, 3), (2, 3)])
-def test_split_trains_end_to_end_and_equals_one_process_reference(tmp_path, targets, world):
+# (1, 2) takes turns at the "GPU" (gpu_turns=on: the node's ranks on CPU) from the drafter's 4th step:
+# turns change when work runs, never what it computes.
+@pytest.mark.parametrize("targets,world,turns", [(1, 2, "on"), (1, 3, "auto"), (2, 3, "auto")])
+def test_split_trains_end_to_end_and_equals_one_process_reference(tmp_path, targets, world, turns):
     run_dir = str(tmp_path / "run")
-    ov = SMALL + [f"run_dir={run_dir}", f"topology.num_target_ranks={targets}", "train.max_steps=6"]
+    ov = SMALL + [f"run_dir={run_dir}", f"topology.num_target_ranks={targets}", "train.max_steps=6",
+                  f"topology.gpu_turns={turns}"]
     torchrun(world, ov)
+    logged = open(f"{run_dir}/logs/rank_0.log").read()
+    assert ("GPU turns on: ranks [0, 1] share the GPU" in logged) == (turns == "on")
 
     # Everything a user expects on disk.
     assert glob.glob(f"{run_dir}/tb/target/events.out.tfevents.*")

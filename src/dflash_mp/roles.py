@@ -30,6 +30,8 @@ from .compile_stats import cache_counts, describe_cache
 from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
+from .gpu_turns import GpuTurns
+from .gpu_turns import decide as gpu_turns
 from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
@@ -163,6 +165,8 @@ class TargetRun(_RoleRun):
         self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         live.phase("starting", "transport")
         with ExitStack() as stack:
+            self.turns = GpuTurns.for_rank(topo, job.topology.gpu_turns, ctx.device, ctx.run_id)
+            stack.callback(self.turns.close)
             self.sender = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
             stack.callback(self.sender.close)
             self.upstream = self.sender.upstream
@@ -216,7 +220,8 @@ class TargetRun(_RoleRun):
             log.info("first target forward done %.1f s after the process started", startup_s)
             self.writer.add_scalar("time/startup_s", startup_s, step + 1)
         else:
-            hb = self.worker.forward(pb)
+            with self.turns.turn():  # a GPU shared with a drafter: the forward runs alone on it
+                hb = self.worker.forward(pb)
         self.forwards += 1
         self.sender.send(dst, hb)
         self.metrics.update(pb, data=self.stream is not None)
@@ -300,6 +305,8 @@ class DrafterRun(_RoleRun):
         with ExitStack() as stack:
             stack.callback(self.checkpointer.close)  # last: a write under way finishes
             live.phase("starting", "transport")
+            self.turns = GpuTurns.for_rank(topo, job.topology.gpu_turns, ctx.device, ctx.run_id)
+            stack.callback(self.turns.close)
             self.receiver = build_transport(job.transport, topo, ctx.slot_spec, ctx.live, ctx.link_spec)
             stack.callback(self.receiver.close)
             self.receiver.seek(self.start)
@@ -378,8 +385,9 @@ class DrafterRun(_RoleRun):
                          "%s)", startup_s, startup_s - (time.perf_counter() - tw - parts["waiting for data"]),
                          describe_cache(cache_counts()))
                 self.writer.add_scalar("time/startup_s", startup_s, done)
-        else:
-            lr = self.trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
+        else:  # after warm-up, on a GPU shared with a target: the step runs alone on it (gpu_turns.py)
+            with self.turns.turn():
+                lr = self.trainer.train_step(hb, timed=logs)  # the step before each log shows where time goes
         if logs:
             tl = time.perf_counter()
             self.receiver.verify()
@@ -463,6 +471,7 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> s
         kinds = pair_kinds(job.transport, topo)
         pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
         rows.append(("transport per pair (target->drafter)", pairs))
+    rows.append(("GPU turns (ranks sharing this rank's GPU)", gpu_turns(topo, job.topology.gpu_turns, ctx.device)[1]))
     if topo.stages > 1:
         rows.append(("target stages (per replica)", f"{topo.stages}: {ctx.stage_plan.describe()}"))
     rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),

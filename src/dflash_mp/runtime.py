@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from . import builtin, rundir
 from .config import JobConfig
+from .gpu_turns import check_mode as check_gpu_turns
 from .resilience import restart_count
 from .stages import plan_stages
 from .target import TargetSpec, capture_layer_ids, check_model_path, load_target_config, mask_token_id, resolve_dtype
@@ -109,6 +110,7 @@ def validate(job: JobConfig, target_config: dict, tokenizer, spec: TargetSpec | 
     """Cross-check drafter, data and target configs; returns (layer_ids, mask_token_id). `tokenizer`:
     anything with the tokenizer's length; `spec`: the target config already parsed."""
     spec = spec or TargetSpec.from_config(target_config)
+    check_gpu_turns(job.topology.gpu_turns)
     layer_ids = capture_layer_ids(job.target, spec.num_layers)
     mask = mask_token_id(job.drafter.mask_token_id, len(tokenizer), spec.vocab_size)
     if job.data.seq_len < 2 * job.drafter.block_size:

@@ -1,0 +1,115 @@
+"""Ranks that share one GPU take turns at it.
+
+Two processes on one GPU never run kernels at the same time: the GPU time-slices between their CUDA
+contexts while both have work queued, and every switch costs time. Taking turns, one rank queues a
+whole unit of work (a target forward, a drafter step) and waits for the GPU to finish it before the
+next rank queues its own, so each unit runs as it runs alone (BENCHMARKS.md measures both).
+
+A turn is an exclusive `flock` on one file per GPU of the job. The kernel drops the lock of a rank
+that dies, so a crash never leaves the others waiting on a turn nobody holds.
+
+Only work that never waits on another rank runs inside a turn: a target forward, and a drafter step
+when that drafter is its GPU's only one. A drafter's gradient all-reduce waits on the drafters of
+other GPUs, and those never need this GPU's turn; two drafters on one GPU would wait on each
+other's turn inside their all-reduce, so a GPU shared by two drafters does not take turns. Waits for
+data (a target's send, a drafter's receive) stay outside turns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import tempfile
+
+import torch
+
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"topology.gpu_turns={mode!r}: use auto (ranks sharing a GPU take turns at it on "
+                         "CUDA), on or off.")
+    return mode
+
+
+def gpu_mates(topo: Topology, rank: int) -> list[int]:
+    """The ranks on `rank`'s GPU, itself included (on CPU: the ranks of its node)."""
+    gpu = topo.gpu_of(rank)
+    if gpu is None:
+        return [r for r in range(topo.world_size) if topo.node_of(r) == topo.node_of(rank)]
+    return [r for r in range(topo.world_size) if topo.gpu_of(r) == gpu]
+
+
+def decide(topo: Topology, mode: str, device: torch.device) -> tuple[bool, str]:
+    """Whether `topo.rank` takes turns at its GPU, and why (for the log and the choices table)."""
+    check_mode(mode)
+    if mode == "off":
+        return False, "off (topology.gpu_turns=off)"
+    mates = gpu_mates(topo, topo.rank)
+    if len(mates) < 2:
+        return False, "off: the GPU is this rank's own"
+    drafters = [r for r in mates if r in topo.drafter_ranks]
+    if len(drafters) > 1:
+        if mode == "on":
+            raise ValueError(f"topology.gpu_turns=on: drafter ranks {drafters} share one GPU, and each would wait "
+                             "inside its gradient all-reduce for a turn the other holds. Use topology.gpu_turns=auto "
+                             "(off for such GPUs) or a split with one drafter rank per GPU.")
+        return False, f"off: drafter ranks {drafters} share the GPU (their all-reduce cannot wait for a turn)"
+    if mode == "auto" and device.type != "cuda":
+        return False, "off: no GPU"
+    return True, f"on: ranks {mates} share the GPU and take turns at it (topology.gpu_turns=off runs them at once)"
+
+
+class GpuTurns:
+    """One rank's side of its GPU's turns; a no-op where the rank does not take turns."""
+
+    def __init__(self, path: str | None, device: torch.device, why: str = ""):
+        self.path, self.device, self.why = path, device, why
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path is not None else None
+
+    @classmethod
+    def for_rank(cls, topo: Topology, mode: str, device: torch.device, run_id: str | None) -> "GpuTurns":
+        on, why = decide(topo, mode, device)
+        mates = gpu_mates(topo, topo.rank)
+        if len(mates) > 1 and topo.rank == min(mates):  # one line per shared GPU
+            log.info("GPU turns %s", why)
+        if not on:
+            return cls(None, device, why)
+        node, index = topo.node_of(topo.rank), (topo.gpu_of(topo.rank) or (0, 0))[1]
+        job = run_id or f"agent{os.getppid()}"  # torchrun's agent: the parent of every local rank
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return cls(os.path.join(base, f"dflash_mp_turns_{job}_node{node}_gpu{index}"), device, why)
+
+    @property
+    def active(self) -> bool:
+        return self._fd is not None
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Hold the GPU for the body's work: wait for the turn, run the body, wait for the GPU to
+        finish what it queued (every stream of this process), then pass the turn on."""
+        if self._fd is None:
+            yield
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        with contextlib.suppress(FileNotFoundError):  # every mate removes it; the first one wins
+            os.unlink(self.path)

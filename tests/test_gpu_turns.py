@@ -1,0 +1,108 @@
+"""Ranks sharing a GPU take turns at it (gpu_turns.py): who does, and that turns exclude each other
+across real processes, also after a holder dies. The job's own use of turns is checked end to end
+in test_e2e (1 target + 1 drafter with topology.gpu_turns=on equals the one-process reference)."""
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dflash_mp.gpu_turns import GpuTurns, decide
+from dflash_mp.topology import Topology
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # only their type is read: no GPU needed
+
+
+def topo(targets: int, rank: int, world: int, gpus: int) -> Topology:
+    return dataclasses.replace(Topology.plan(targets, rank, world), gpus_per_node=gpus)
+
+
+def test_a_target_and_a_drafter_on_one_gpu_take_turns_by_default():
+    for rank in (0, 1):
+        on, why = decide(topo(1, rank, 2, gpus=1), "auto", CUDA)
+        assert on and "ranks [0, 1] share the GPU" in why
+    assert not decide(topo(1, 0, 2, gpus=1), "off", CUDA)[0]
+    assert not decide(topo(1, 0, 2, gpus=2), "auto", CUDA)[0]  # each rank owns its GPU
+    assert not decide(topo(1, 0, 2, gpus=0), "auto", CPU)[0]  # auto: CUDA only
+    assert decide(topo(1, 0, 2, gpus=0), "on", CPU)[0]  # on: the node's ranks (how the CPU tests run it)
+
+
+def test_two_drafters_on_one_gpu_never_take_turns():
+    # 1 target + 2 drafters on one GPU: a drafter holding the turn in its all-reduce would wait
+    # for the other, which waits for the turn.
+    on, why = decide(topo(1, 1, 3, gpus=1), "auto", CUDA)
+    assert not on and "drafter ranks [1, 2]" in why
+    with pytest.raises(ValueError, match=r"topology.gpu_turns=on: drafter ranks \[1, 2\] share one GPU"):
+        decide(topo(1, 1, 3, gpus=1), "on", CUDA)
+    # 4 ranks on 2 GPUs: (0, 2) and (1, 3), one target and one drafter each.
+    assert decide(topo(2, 3, 4, gpus=2), "auto", CUDA)[0]
+
+
+def test_a_bad_value_names_itself_and_the_choices():
+    with pytest.raises(ValueError, match=r"topology.gpu_turns='yes': use auto .*, on or off"):
+        decide(topo(1, 0, 2, gpus=1), "yes", CUDA)
+
+
+def _hold_turns(path: str, n: int, hold_s: float, out, barrier) -> None:
+    turns = GpuTurns(path, CPU) if path else GpuTurns(None, CPU)
+    barrier.wait()
+    for _ in range(n):
+        with turns.turn():
+            t0 = time.monotonic()
+            time.sleep(hold_s)
+            out.put((os.getpid(), t0, time.monotonic()))
+        time.sleep(0.001)  # the next turn is free to go to the other process
+
+
+def _spans(path: str | None, procs: int = 2, n: int = 8, hold_s: float = 0.02) -> list[tuple]:
+    ctx = mp.get_context("spawn")
+    out, barrier = ctx.Queue(), ctx.Barrier(procs)
+    ps = [ctx.Process(target=_hold_turns, args=(path, n, hold_s, out, barrier)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    spans = [out.get(timeout=60) for _ in range(procs * n)]
+    for p in ps:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return sorted(spans, key=lambda s: s[1])
+
+
+def _overlaps(spans) -> int:
+    return sum(1 for a, b in zip(spans, spans[1:]) if b[1] < a[2] and a[0] != b[0])
+
+
+def test_turns_exclude_each_other_across_processes(tmp_path):
+    spans = _spans(str(tmp_path / "gpu0"))
+    assert len({s[0] for s in spans}) == 2  # both processes held turns
+    assert _overlaps(spans) == 0, spans
+    # Without turns the same processes do overlap: the check above can see a broken lock.
+    assert _overlaps(_spans(None)) > 0
+
+
+def _hold_forever(path: str, ready) -> None:
+    turns = GpuTurns(path, CPU)
+    with turns.turn():
+        ready.set()
+        time.sleep(600)
+
+
+def test_a_holder_that_dies_frees_the_turn(tmp_path):
+    path = str(tmp_path / "gpu0")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold_forever, args=(path, ready))
+    p.start()
+    assert ready.wait(60)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    turns = GpuTurns(path, CPU)
+    t0 = time.monotonic()
+    with turns.turn():
+        pass
+    assert time.monotonic() - t0 < 5
+    turns.close()
+    assert not os.path.exists(path)  # the last one out removes the file
