@@ -38,8 +38,11 @@ def test_two_drafters_on_one_gpu_never_take_turns():
     assert not on and "drafter ranks [1, 2]" in why
     with pytest.raises(ValueError, match=r"topology.gpu_turns=on: drafter ranks \[1, 2\] share one GPU"):
         decide(topo(1, 1, 3, gpus=1), "on", CUDA)
-    # 4 ranks on 2 GPUs: (0, 2) and (1, 3), one target and one drafter each.
-    assert decide(topo(2, 3, 4, gpus=2), "auto", CUDA)[0]
+    # 4 ranks on 2 GPUs: (0, 2) and (1, 3), one target and one drafter each: turns only when asked
+    # for (a drafter would hold its GPU's turn while its all-reduce waits on the other GPU's).
+    on, why = decide(topo(2, 3, 4, gpus=2), "auto", CUDA)
+    assert not on and "several drafters" in why
+    assert decide(topo(2, 3, 4, gpus=2), "on", CUDA)[0]
 
 
 def test_a_bad_value_names_itself_and_the_choices():

@@ -8,11 +8,13 @@ next rank queues its own, so each unit runs as it runs alone (BENCHMARKS.md meas
 A turn is an exclusive `flock` on one file per GPU of the job. The kernel drops the lock of a rank
 that dies, so a crash never leaves the others waiting on a turn nobody holds.
 
-Only work that never waits on another rank runs inside a turn: a target forward, and a drafter step
-when that drafter is its GPU's only one. A drafter's gradient all-reduce waits on the drafters of
-other GPUs, and those never need this GPU's turn; two drafters on one GPU would wait on each
-other's turn inside their all-reduce, so a GPU shared by two drafters does not take turns. Waits for
-data (a target's send, a drafter's receive) stay outside turns.
+Inside a turn a rank never waits for another rank's turn: a target forward waits on nobody, and a
+drafter step waits (in its gradient all-reduce) only on drafters of other GPUs, whose turns end when
+those GPUs' target forwards do. Two drafters on one GPU would each wait inside their all-reduce for
+the turn the other holds, so such a GPU never takes turns. Waits for data (a target's send, a
+drafter's receive) stay outside turns. `auto` takes turns where it was measured, a GPU whose drafter
+is the job's only one (1 target + 1 drafter on one GPU); `on` also where several drafters on several
+GPUs would hold their GPU's turn while their all-reduce waits on the others'.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def decide(topo: Topology, mode: str, device: torch.device) -> tuple[bool, str]:
         return False, f"off: drafter ranks {drafters} share the GPU (their all-reduce cannot wait for a turn)"
     if mode == "auto" and device.type != "cuda":
         return False, "off: no GPU"
+    if mode == "auto" and len(topo.drafter_ranks) > 1:
+        # Measured where the GPU's drafter is the job's only one. With more, a drafter holds its turn
+        # while its all-reduce waits for drafters still waiting for theirs: unmeasured, so not default.
+        return False, ("off: the job has several drafters, whose all-reduce would hold this GPU's turn while "
+                       "it waits on other GPUs' turns (not measured; topology.gpu_turns=on takes turns anyway)")
     return True, f"on: ranks {mates} share the GPU and take turns at it (topology.gpu_turns=off runs them at once)"
 
 

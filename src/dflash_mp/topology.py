@@ -28,9 +28,10 @@ class TopologyConfig:
     # where a drafter's first compiled step keeps posted receives waiting for minutes. Dead peers
     # are caught sooner by transport.timeout_s, which bounds every wait for data or credit.
     timeout_s: float = 0.0
-    # Ranks that share one GPU (1 target + 1 drafter on one H200): auto = on CUDA they take turns at it,
-    # each finishing a target forward or a drafter step before the other's starts, so the GPU never
-    # switches between them mid-work (gpu_turns.py; not where two drafters share a GPU) | on | off.
+    # Ranks that share one GPU: they take turns at it, each finishing a target forward or a drafter step
+    # before the other's starts, so the GPU never switches between them mid-work (gpu_turns.py). auto =
+    # on CUDA when the job has one drafter (1 target + 1 drafter on one H200) | on (also with drafters on
+    # several shared GPUs; never two drafters on one GPU) | off.
     gpu_turns: str = "auto"
 
 
