@@ -185,12 +185,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")
     ap.add_argument("--loss-mode", default=None, help="default: the last compiled mode in --modes")
-    ap.add_argument("--chunk", type=int, default=4096, help="CE rows per chunk")
+    ap.add_argument("--chunk", type=int, default=None, help="CE rows per chunk (default: the preset's, else 4096)")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     ap.add_argument("--sources", action="store_true", help="also count the first mode's kernels by the op that launches them")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     p = DRAFTERS[a.preset]
+    a.chunk = a.chunk or p.get("chunk", 4096)
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
     results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
