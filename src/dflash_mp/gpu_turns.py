@@ -8,9 +8,9 @@ next rank queues its own, so each unit runs as it runs alone (BENCHMARKS.md meas
 A turn is an exclusive `flock` on one file per GPU of the job. The kernel drops the lock of a rank
 that dies, so a crash never leaves the others waiting on a turn nobody holds.
 
-Inside a turn a rank never waits for another rank's turn: a target forward waits on nobody, and a
-drafter step waits (in its gradient all-reduce) only on drafters of other GPUs, whose turns end when
-those GPUs' target forwards do. Two drafters on one GPU would each wait inside their all-reduce for
+A rank in its turn never waits on a turn that cannot end: a target forward waits on nobody, and a
+drafter step waits (in its gradient all-reduce) only on drafters of other GPUs, whose turns come when
+those GPUs' target forwards end. Two drafters on one GPU would each wait inside their all-reduce for
 the turn the other holds, so such a GPU never takes turns. Waits for data (a target's send, a
 drafter's receive) stay outside turns. `auto` takes turns where it was measured, a GPU whose drafter
 is the job's only one (1 target + 1 drafter on one GPU); `on` also where several drafters on several
