@@ -10,7 +10,8 @@
 #   ce        one fused-CE chunk at 8B shapes per loss kernel, and the Triton kernels' tiles (bench/ce_chunk.py)
 #   target    Qwen3-8B target forward variants with kernel profiles (issue 4.3)
 #   small     ~0.6B drafter, launch-bound: eager vs default vs reduce-overhead (issue 4.2)
-#   pipeline  1+1 ranks sharing the GPU at Qwen3-8B shapes (issue 5)
+#   pipeline  1+1 ranks sharing the GPU at Qwen3-8B shapes, at defaults and with topology.gpu_turns=off
+#             ($PIPE_TURNS: the gpu_turns values to run, $PIPE_ARGS: more overrides)
 # A warm Inductor cache (TORCHINDUCTOR_CACHE_DIR) turns minutes of kernel compilation into seconds.
 set -u
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
@@ -64,19 +65,20 @@ has target && step target_8b "${T_TARGET:-200}" python3 target_forward.py --step
 has small && step drafter_0p6b "${T_SMALL:-110}" python3 drafter_step.py --preset qwen3_0p6b --modes "$SMALL_MODES" \
     --scope layers --steps 30 --warmup 5
 cd ..
-if has pipeline; then
-    step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex --steps 20
+if has pipeline; then  # at the preset's defaults (compiled target, GPU turns), then without turns
+    step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex-compiled --steps 20
     python3 -m dflash_mp.builtin make-data make_data.out="$PIPE/long_chats.jsonl" make_data.num=600 \
         make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
-    step pipeline_1p1 "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
-        experiment=qwen3_8b target.path=builtin:random-qwen3-8b target.compile=false \
-        data.path="$PIPE/long_chats.jsonl" train.max_steps=80 logging.log_every=10 logging.progress=false \
-        checkpoint.every=0 checkpoint.overwrite=true run_dir="$PIPE/run"  # a rerun replaces the last one
-    cp "$PIPE/run/tb/drafter/scalars.jsonl" "$OUT/pipe_drafter_scalars.jsonl" 2>/dev/null
-    cp "$PIPE/run/tb/target/scalars.jsonl" "$OUT/pipe_target_scalars.jsonl" 2>/dev/null
+    for turns in ${PIPE_TURNS:-auto off}; do  # off: the second run finds the first's compiled graphs
+        step "pipeline_1p1_turns_$turns" "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
+            experiment=qwen3_8b target.path=builtin:random-qwen3-8b topology.gpu_turns="$turns" \
+            data.path="$PIPE/long_chats.jsonl" train.max_steps=80 logging.log_every=10 logging.progress=false \
+            checkpoint.every=0 checkpoint.overwrite=true run_dir="$PIPE/run_$turns" ${PIPE_ARGS:-}
+        cp "$PIPE/run_$turns/tb/drafter/scalars.jsonl" "$OUT/pipe_${turns}_drafter_scalars.jsonl" 2>/dev/null
+        (cd bench && python3 pipeline.py --target-json "$PIPE/target_qwen3_8b.json" --target-variant trunc-flex-compiled \
+            --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run_$turns") 2>&1 | tee -a "$LOG"
+    done
     cp "$PIPE/target_qwen3_8b.json" "$OUT/pipe_target_alone.json" 2>/dev/null
-    (cd bench && python3 pipeline.py --target-json "$PIPE/target_qwen3_8b.json" \
-        --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run") 2>&1 | tee -a "$LOG"
 fi
 grep -E "^(qwen3_|target forward|flex_attention, one|CE chunk)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
 grep -E "GPU ms.* by kernel class|GPU idle|loss match|passed|failed" "$LOG" | cut -c1-300
