@@ -28,6 +28,7 @@ from dflash_mp.batch import PackedBatch  # noqa: E402
 from dflash_mp.builtin import resolve_target_path  # noqa: E402
 from dflash_mp.flops import causal_pairs_packed, target_layers_flops  # noqa: E402
 from dflash_mp.target import TargetWorker, capture_layer_ids, load_target_config  # noqa: E402
+from dflash_mp.target.packing import per_token_rel  # noqa: E402
 from dflash_mp.target.spec import TargetConfig  # noqa: E402
 
 TARGETS = "builtin:random-qwen3.5-27b,builtin:random-qwen3.5-35b-a3b,builtin:random-qwen3-30b-a3b"
@@ -50,8 +51,8 @@ def ms(fn, steps: int) -> float:
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """Mean and max over tokens of the relative difference of two captures."""
-    rel = (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-12)
+    """Mean and max over tokens of the relative difference of two captures [T, H]."""
+    rel = per_token_rel(a[None], b[None])
     return float(rel.mean()), float(rel.max())
 
 

@@ -31,7 +31,6 @@ from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
 from .gpu_turns import GpuTurns
-from .gpu_turns import decide as gpu_turns
 from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
@@ -174,7 +173,7 @@ class TargetRun(_RoleRun):
                                       os.path.join(job.run_dir, "tb", "target"), ctx.run_id)
             stack.callback(self.writer.close)
             self.writer.add_text("config", f"```\n{job_yaml(job)}\n```", 0)  # a null writer off the leader
-            self.writer.add_text("resolved", resolved_choices(ctx, target=self.worker), 0)
+            self.writer.add_text("resolved", resolved_choices(ctx, self.turns, target=self.worker), 0)
             self.batches = iter(self.stream) if self.stream is not None else None
             self.fault = fault_from_env()
             self.agree = StopAgreement(ctx.stop, topo.control_group, job.logging.log_every, self.start, self.num_steps,
@@ -317,7 +316,8 @@ class DrafterRun(_RoleRun):
             stack.callback(bar.close)
             if lead:
                 self.writer.add_text("config", f"```\n{job_yaml(job)}\n```", 0)
-                self.writer.add_text("resolved", resolved_choices(ctx, trainer=self.trainer, args=self.args), 0)
+                self.writer.add_text("resolved", resolved_choices(ctx, self.turns, trainer=self.trainer,
+                                                                  args=self.args), 0)
             self.compiled = self.trainer.mode != "eager"
             self.cache_path = compile_cache.artifact_path(job.run_dir, "drafter", ctx.device)
             self.shared = self.node_compile() if self.compiled else None
@@ -456,10 +456,10 @@ def slow_compile_for_tests() -> None:
         time.sleep(delay)
 
 
-def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> str:
+def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, target=None) -> str:
     """What the run chose where the config says auto/null, as a markdown table (TensorBoard's Text
-    tab, next to the config): the role's own choices (a drafter passes its trainer and drafter args,
-    a target its TargetWorker) plus the job-wide ones."""
+    tab, next to the config): the role's own choices (its GPU turns; a drafter passes its trainer and
+    drafter args, a target its TargetWorker) plus the job-wide ones."""
     from .transport import pair_kinds
 
     job, topo, spec = ctx.job, ctx.topo, ctx.spec
@@ -471,7 +471,7 @@ def resolved_choices(ctx: RunContext, trainer=None, args=None, target=None) -> s
         kinds = pair_kinds(job.transport, topo)
         pairs = ", ".join(f"{t}->{d} {k}" for (t, d), k in sorted(kinds.items()))
         rows.append(("transport per pair (target->drafter)", pairs))
-    rows.append(("GPU turns (ranks sharing this rank's GPU)", gpu_turns(topo, job.topology.gpu_turns, ctx.device)[1]))
+    rows.append(("GPU turns (ranks sharing this rank's GPU)", turns.why))
     if topo.stages > 1:
         rows.append(("target stages (per replica)", f"{topo.stages}: {ctx.stage_plan.describe()}"))
     rows += [("target layers captured", str(list(ctx.layer_ids))), ("mask token id", str(ctx.mask_token_id)),

@@ -262,4 +262,3 @@ class TargetWorker:
         from .packing import check_packing
 
         return check_packing(self, lengths, seed)
-
