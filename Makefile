@@ -2,6 +2,7 @@
 # requirement would pull a multi-GB CUDA build. GPU hosts keep the torch they have (>= 2.11).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TRITON ?= triton==3.6.0
 
 .PHONY: install test test-fast demo lint clean
 
@@ -11,6 +12,9 @@ install:
 	# The public DFlash inference code, to test that exports load in it. --no-deps: its metadata pins
 	# exact versions of tqdm/datasets/requests that the code itself does not need.
 	$(PYTHON) -m pip install --no-deps dflash==0.1.0
+	# Triton, for the tests alone: its interpreter runs the project's GPU kernels on CPU in
+	# subprocesses (tests/triton_interp.py); the suite's own process keeps the plain CPU install.
+	$(PYTHON) -m pip install --no-deps --upgrade --target build/triton-interp $(TRITON)
 
 test:
 	$(PYTHON) -m pytest -q

@@ -101,6 +101,7 @@ def write_json(obj, name: str) -> None:
 KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler reports them
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("flex_attention", ("flex", "triton_tem")),
+    ("block_attention", ("block_attn",)),  # the Triton block kernels (drafter.attention=triton)
     ("attention", ("fmha", "flash", "attention")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),

@@ -37,13 +37,16 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+tiles=NAME` the flex BlockMask size and kernel options of bench/flex_tiles.py's variant NAME;
     `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step (the
     default writes each step's gradients into it: FlatAdamW.collect); `+serial` train.optimizer_overlap
-    =false (the update runs after backward on the compute stream, not per layer on a side stream)."""
+    =false (the update runs after backward on the compute stream, not per layer on a side stream);
+    `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "serial") or (key in ("tiles", "ce")) != bool(val):
-            raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +loss, +amp, +addgrads, +serial or +tiles=NAME")
+        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "serial", "attn") or (
+                key in ("tiles", "ce", "attn")) != bool(val):
+            raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +serial or "
+                             "+tiles=NAME")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -53,6 +56,7 @@ def parse_mode(mode: str) -> tuple[str, dict]:
 def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention: str = "auto") -> DrafterTrainer:
     """`mode`: a train.compile value with parse_mode's suffixes."""
     mode, flags = parse_mode(mode)
+    attention = flags.get("attn", attention)
     tiles = {}
     if "tiles" in flags:
         size, opts = TILES[flags["tiles"]]
@@ -179,8 +183,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
-                    help="train.compile values with parse_mode's suffixes: +ce=KERNEL, +loss, +amp, +addgrads, +serial, "
-                         "+tiles=NAME")
+                    help="train.compile values with parse_mode's suffixes: +ce=KERNEL, +attn=BACKEND, +loss, +amp, "
+                         "+addgrads, +serial, +tiles=NAME")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")

@@ -1,7 +1,8 @@
 """flex_attention on the drafter's block mask at Qwen3-8B DFlash shapes: forward + backward time per
-tile configuration (BlockMask block size and Inductor kernel options), one process, one mask.
+tile configuration (BlockMask block size and Inductor kernel options), one process, one mask; and
+the Triton block kernels (`drafter.attention=triton`, variants `triton*`: their tiles) on the same row.
 
-    python bench/flex_tiles.py [--variants default,bwd64,mask64,...]
+    python bench/flex_tiles.py [--variants bwd32,triton,triton-n128,...]
 
 One drafter layer's attention: q [1, 32, A*B, 128], k/v [1, 8, T + A*B, 128], bf16, the anchors
 of a synthetic packed row. Times are per layer (the 8B drafter has five). Each variant's output
@@ -20,6 +21,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from common import DRAFTERS, median, synthetic_batch, timed, write_json
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod
+from dflash_mp.model.block_attn import TILES
+
+DEFAULT_TILES = dict(TILES)
 
 # name -> (BlockMask block size (q, kv), kernel_options). Kernel tiles must divide the mask blocks.
 BWD64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}
@@ -50,6 +54,52 @@ VARIANTS = {
     "mask64": ((64, 64), dict(BWD64, fwd_BLOCK_M=64, fwd_BLOCK_N=64)),
     "autotune": ((128, 128), None),  # None: compiled with max-autotune (Inductor picks the tiles)
 }
+# name -> block_attn.TILES overrides (the Triton block kernels; "triton" is the default tiles)
+TRITON_VARIANTS = {
+    "triton": {},  # block_attn.TILES as they are
+    # the first tiles (64-key dQ and dK/dV tiles, 4 warps, 2 stages)
+    "triton-first": {"DQ_BLOCK_N": 64, "BLOCK_N2": 64, "dq_stages": 2, "dkv_warps": 4, "dkv_stages": 2},
+    "triton-dq64": {"DQ_BLOCK_N": 64},
+    "triton-dqw8": {"dq_warps": 8},
+    "triton-dkvw4": {"dkv_warps": 4},
+    "triton-s2": {"dq_stages": 2, "dkv_stages": 2},
+    "triton-fwd128": {"BLOCK_N": 128, "fwd_warps": 8},
+    "triton-fwds4": {"fwd_stages": 4},
+}
+
+
+def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
+    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says."""
+    from dflash_mp.model import block_attn
+
+    block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[name]))
+    spans = block_attn.block_spans(anchors, valid, doc_ids, B, None)
+    qq, kk, vv = (t[0].transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v))  # [S, heads, D]
+    do = dout[0].transpose(0, 1).contiguous()
+
+    def fwd():
+        return block_attn.block_attention(qq, kk, vv, spans)
+
+    def fwd_bwd():
+        fwd().backward(do)
+        qq.grad = kk.grad = vv.grad = None
+
+    def result():
+        o = fwd()
+        o.backward(do)
+        return [x.transpose(0, 1)[None] for x in (o.detach(), qq.grad, kk.grad, vv.grad)]
+
+    return fwd, fwd_bwd, result
+
+
+def mask_mod_pairs(mask_mod, q_len: int, kv_len: int, device) -> int:
+    """Visible (query, key) pairs of one head, counted in slices of queries."""
+    total, kv = 0, torch.arange(kv_len, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    for s in range(0, q_len, 1024):
+        qi = torch.arange(s, min(s + 1024, q_len), device=device)[:, None]
+        total += int(mask_mod(zero, zero, qi, kv).sum())
+    return total
 
 
 def main() -> None:
@@ -74,9 +124,33 @@ def main() -> None:
     v = torch.randn(1, p["kv"], kv_len, D, device=device, dtype=dt, generator=g)
     dout = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
     masks, out, ref, t0 = {}, [], None, time.time()
+    pairs = int(mask_mod_pairs(mask_mod, q_len, kv_len, device))
+    fwd_flop = 4 * D * p["heads"] * pairs  # QK^T and PV over the visible pairs
     for name in a.variants.split(","):
         if time.time() - t0 > a.budget_s:
             out.append({"variant": name, "error": "skipped: over --budget-s"})
+            continue
+        if name in TRITON_VARIANTS:
+            try:
+                fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
+                tc = time.time()
+                fwd_bwd()
+                compile_s = time.time() - tc
+                f_ms = median(timed(fwd, a.steps, device))
+                fb_ms = median(timed(fwd_bwd, a.steps, device))
+                res = result()
+                diff = None
+                if ref is None:
+                    ref = res
+                else:
+                    diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
+                r = {"variant": name, "block_size": None, "kernel_options": TRITON_VARIANTS[name], "fwd_ms": f_ms,
+                     "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms, "compile_s": round(compile_s, 1), "tiles": 0,
+                     "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
+            except Exception as e:  # one variant failing must not lose the others
+                r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
+            print(r, flush=True)
+            out.append(r)
             continue
         size, opts = VARIANTS[name]
         try:
@@ -111,20 +185,22 @@ def main() -> None:
             full = bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
             r = {"variant": name, "block_size": list(size), "kernel_options": opts, "fwd_ms": f_ms,
                  "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms, "compile_s": round(compile_s, 1),
-                 "tiles": int(bm.kv_num_blocks.sum() + full), "max_rel_diff_vs_first": diff}
+                 "tiles": int(bm.kv_num_blocks.sum() + full), "max_rel_diff_vs_first": diff,
+                 "fwd_tflops": fwd_flop / f_ms / 1e9}
         except Exception as e:  # one variant failing must not lose the others
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
         print(r, flush=True)
         out.append(r)
         write_json({"preset": a.preset, "torch": torch.__version__, "variants": out}, f"flex_tiles_{a.preset}.json")
     print(f"\nflex_attention, one drafter layer, {a.preset} (x{p['layers']} layers per step)")
-    print(f"{'variant':12} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'tiles':>6} {'compile s':>9} {'rel diff':>9}")
+    print(f"visible (query, key) pairs per head: {pairs:,}; forward {fwd_flop / 1e12:.3f} TFLOP per layer")
+    print(f"{'variant':14} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'fwd TF/s':>8} {'tiles':>6} {'compile s':>9} {'rel diff':>9}")
     for r in out:
         if "error" in r:
-            print(f"{r['variant']:12} {r['error'][:100]}")
+            print(f"{r['variant']:14} {r['error'][:100]}")
             continue
         d = r["max_rel_diff_vs_first"]
-        print(f"{r['variant']:12} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['tiles']:6d} "
+        print(f"{r['variant']:14} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} {r['fwd_tflops']:8.0f} {r['tiles']:6d} "
               f"{r['compile_s']:9.1f} {'-' if d is None else f'{d:.1e}':>9}")
 
 

@@ -4,14 +4,12 @@ wherever the triton package is installed (the CPU build of torch comes without i
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import triton_interp
 from dflash_mp.model import ce_kernels
 from dflash_mp.model.loss import fused_linear_cross_entropy
 
@@ -67,11 +65,9 @@ def test_kernels_match_pytorch_on_cuda():
     check("cuda")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="the triton package is not installed (CPU build of torch)")
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
 def test_kernels_match_pytorch_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_ce_kernels as t; t.check('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    run = triton_interp.run("test_ce_kernels", "check('cpu')", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

@@ -260,7 +260,10 @@ def _cuda_row(T: int, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex on CUDA needs a GPU")
-def test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles():
+@pytest.mark.parametrize("backend", ["flex", "triton"])
+def test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles(backend):
+    """flex, and the Triton block kernels, against dense sdpa: eager, compiled, compiled under autocast."""
+    torch._dynamo.reset()
     T, A, Bk, Hd, Vv = 512, 32, 16, 128, 512
     args = DrafterArgs(
         hidden_size=Hd, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -295,14 +298,14 @@ def test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles():
         inputs = (hidden, input_ids, pos, doc_ids, loss_mask, anchors, valid)
         dense = step(*inputs, "dense")
         g_dense = grads(dense)
-        flex = step(*inputs, "flex")  # eager model, compiled flex kernels
+        flex = step(*inputs, backend)  # eager model, compiled flex kernels
         g_flex = grads(flex)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            full = compiled(*inputs, "flex")  # the whole step in one graph
+            full = compiled(*inputs, backend)  # the whole step in one graph
         g_full = grads(full)
         # The trainer's mode: bf16 autocast over fp32 weights, whole step compiled.
         with torch._dynamo.config.patch(error_on_recompile=i > 0), torch.autocast("cuda", torch.bfloat16):
-            half = compiled(hidden.bfloat16(), *inputs[1:], "flex")
+            half = compiled(hidden.bfloat16(), *inputs[1:], backend)
         g_half = grads(half)
         torch.testing.assert_close(half, dense, atol=5e-2, rtol=2e-2)
         assert all(torch.isfinite(g).all() for g in g_half)

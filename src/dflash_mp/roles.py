@@ -485,6 +485,7 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
+                 ("drafter attention", trainer.objective.attention),
                  ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward")]
     if args is not None:
         rows += [("drafter layers / hidden / heads / kv heads / head dim",

@@ -53,7 +53,8 @@ class DrafterConfig:
     max_anchors_per_doc: int = 512  # cap of anchors drawn from one document
     gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None = 7/5/4 for B=16/10/8
     loss_chunk_size: int = 2048  # rows of logits computed at once (never the full A*B x vocab)
-    attention: str = "auto"  # auto (flex on CUDA, dense sdpa on CPU) | flex | dense
+    attention: str = "auto"  # auto (triton on CUDA where the shapes allow, else flex; dense sdpa on CPU) |
+    #   triton (model/block_attn.py: kernels that walk only the keys each block sees) | flex | dense
     flex_block_size: tuple[int, int] = (128, 128)  # flex BlockMask tile (query rows, key rows)
     flex_kernel_options: dict = field(default_factory=lambda: dict(FLEX_KERNEL_OPTIONS))  # flex_attention
     #   kernel options (tiles: fwd_BLOCK_M, bwd_BLOCK_M1, ...; they must divide flex_block_size); the
@@ -155,6 +156,8 @@ class DFlashObjective(nn.Module):
         self.register_buffer("head", head.detach(), persistent=False)
         self.register_buffer("weights", slot_weights(args.block_size, cfg.gamma, device=embed.device),
                              persistent=False)
+        # drafter.attention resolved once (auto: the Triton block kernels on CUDA where they apply).
+        self.attention = drafter.attention_backend(cfg.attention, embed.device)
         self.loss_kernel = "eager"  # set by compile_objective
         self.feature_noise: tuple[str, float] = ("none", 0.0)  # set by DrafterTrainer (training only)
         # The dtype the drafter computes in: features arrive in the target's (a bf16 target may feed an
@@ -174,7 +177,7 @@ class DFlashObjective(nn.Module):
         labels, label_mask = block_labels(input_ids, loss_mask, doc_ids, anchors, valid, b)
         block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, b, self.args.mask_token_id)
         block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
-        attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.cfg.attention,
+        attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.attention,
                                             flex_block_size=self.cfg.flex_block_size,
                                             kernel_options=self.cfg.flex_kernel_options)
         out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)

@@ -1,4 +1,4 @@
-"""Training-time attention for DFlash blocks: one `mask_mod`, two backends.
+"""Training-time attention for DFlash blocks: one `mask_mod`, three backends.
 
 Layout of one packed row: queries are the `A*B` block tokens (query `i*B + k` is slot `k` of block
 `i`); keys are the `T` context positions followed by the same `A*B` block tokens. The same
@@ -7,6 +7,8 @@ path (CUDA) cannot drift apart:
 
 - `dense`: `create_mask` -> boolean `[1, 1, Q, KV]` -> `scaled_dot_product_attention`.
 - `flex`: `build_block_mask` -> `BlockMask` -> `flex_attention`, compiled once per process.
+- `triton`: `block_spans` -> the context span of each block -> `block_attention` (block_attn.py),
+  kernels that walk only the keys a block sees; tested against `dense` on the same `mask_mod`.
 
 The `mask_mod` closes over tensors and per-run ints only (`T`, `B`, the window). A per-step Python
 int in the closure would become a Dynamo guard and recompile every step.
@@ -22,11 +24,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from dflash_mp.block_mask import build_block_mask, compiled_once
+from dflash_mp.model import block_attn
+from dflash_mp.model.block_attn import BlockSpans, block_spans
 from dflash_mp.options import resolve_auto
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-BACKENDS = ("auto", "dense", "flex")
+BACKENDS = ("auto", "dense", "flex", "triton")
 
 # flex_attention backward tiles for DFlash block masks (blocks of 16 queries, head_dim 128), measured
 # on the H200 (bench/flex_tiles.py, BENCHMARKS.md): dK/dV walk 32-row query tiles per 64-row key tile,
@@ -83,30 +87,49 @@ def make_mask_mod(
     return mask_mod
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """`auto` picks flex on CUDA and dense elsewhere (flex has no CPU backward)."""
-    return resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
+def resolve_backend(backend: str, device: torch.device | str, triton_unsupported: str | None = None) -> str:
+    """`auto`: the Triton block kernels on CUDA where the drafter's shapes allow them
+    (`triton_unsupported` is None), else flex; dense elsewhere (flex has no CPU backward)."""
+    if torch.compiler.is_compiling() and backend in BACKENDS[1:]:
+        return backend  # resolved and checked before the compile (DFlashObjective)
+    device = torch.device(device)
+    if backend == "auto" and device.type == "cuda":
+        return "triton" if triton_unsupported is None and block_attn.available(device) else "flex"
+    resolved = resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
+    if resolved == "triton":
+        if triton_unsupported is not None:
+            raise ValueError(f"drafter.attention=triton cannot run {triton_unsupported}; use drafter.attention=flex "
+                             "(or auto)")
+        if not block_attn.available(device):
+            raise ValueError(f"drafter.attention=triton needs CUDA and the triton package (device {device}); use "
+                             "drafter.attention=auto (dense sdpa on CPU)")
+    return resolved
 
 
 @dataclass
 class BlockAttention:
     """Per-step masks for every layer kind in the drafter, built once and shared by all layers."""
 
-    backend: str  # "dense" or "flex" (resolved, never "auto")
-    full: torch.Tensor | BlockMask | None  # mask for full-attention layers, None if there are none
-    sliding: torch.Tensor | BlockMask | None  # mask for sliding-window layers, None if none
+    backend: str  # "dense", "flex" or "triton" (resolved, never "auto")
+    full: torch.Tensor | BlockMask | BlockSpans | None  # mask for full-attention layers, None if there are none
+    sliding: torch.Tensor | BlockMask | BlockSpans | None  # mask for sliding-window layers, None if none
     kernel_options: dict | None = None  # flex_attention's Inductor kernel options (tile sizes, ...)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool) -> torch.Tensor:
-        """q `[1, Hq, Q, D]`, k/v `[1, Hkv, KV, D]` -> `[1, Hq, Q, D]`."""
+        """q `[Q, Hq, D]`, k/v `[KV, Hkv, D]` (the projections' layout) -> `[Q, Hq, D]`."""
         mask = self.sliding if sliding else self.full
         assert mask is not None, "no mask was built for this layer kind"
+        if self.backend == "triton":
+            return block_attn.block_attention(q, k, v, mask)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.backend == "dense":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        # The eager flex path is a slow math fallback; compiled is the only sensible CUDA path.
-        fn = compiled_once("flex_attention", flex_attention) if q.is_cuda else flex_attention
-        return fn(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            # The eager flex path is a slow math fallback; compiled is the only sensible CUDA path.
+            fn = compiled_once("flex_attention", flex_attention) if q.is_cuda else flex_attention
+            out = fn(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
+        return out[0].transpose(0, 1)
 
 
 def build_block_attention(
@@ -133,6 +156,8 @@ def build_block_attention(
     kv_len = T + q_len
 
     def build(window: int | None):
+        if backend == "triton":
+            return block_spans(anchors, anchor_valid, doc_ids, block_size, window)
         mask_mod = make_mask_mod(anchors, anchor_valid, doc_ids, T, block_size, window)
         if backend == "dense":
             return create_mask(mask_mod, 1, 1, q_len, kv_len, device)

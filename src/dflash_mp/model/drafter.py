@@ -20,7 +20,9 @@ from dflash_mp.model.attention import (
     SLIDING_ATTENTION,
     BlockAttention,
     build_block_attention,
+    resolve_backend,
 )
+from dflash_mp.model.block_attn import unsupported
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
 # whose frequencies depend on the runtime sequence length (dynamic, longrope) are left out: training
@@ -210,9 +212,8 @@ class Attention(nn.Module):
         k = self.k_norm(k)
         q = _apply_rope(q, *rope_q)
         k = _apply_rope(k, *rope_k)
-        # [S, heads, D] -> [1, heads, S, D]
-        out = attn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], sliding)
-        return self.o_proj(out[0].transpose(0, 1).reshape(n_q, self.num_heads * D))
+        out = attn(q, k, v, sliding)  # [S, heads, D] in and out
+        return self.o_proj(out.reshape(n_q, self.num_heads * D))
 
 
 class MLP(nn.Module):
@@ -268,6 +269,11 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
+    def attention_backend(self, backend: str, device: torch.device | str) -> str:
+        """`drafter.attention` resolved for this drafter's shapes on `device` (attention.resolve_backend)."""
+        a = self.args
+        return resolve_backend(backend, device, unsupported(a.num_heads, a.num_kv_heads, a.head_dim, a.block_size))
+
     def build_attention(
         self,
         anchors: torch.Tensor,
@@ -285,7 +291,7 @@ class DFlashDrafter(nn.Module):
             self.args.block_size,
             layer_types=self.args.resolved_layer_types,
             sliding_window=self.args.sliding_window,
-            backend=backend,
+            backend=self.attention_backend(backend, doc_ids.device),
             flex_block_size=flex_block_size,
             kernel_options=kernel_options,
         )

@@ -1,0 +1,250 @@
+"""DFlash block attention in Triton (`drafter.attention=triton`): forward and backward kernels that
+know the mask's shape instead of evaluating it per tile.
+
+Layout, the one the drafter's projections produce (no transposes): q `[Q, Hq, D]` with Q = A*B block
+tokens (block i owns rows i*B .. i*B+B-1); k and v `[T + Q, Hkv, D]`, the T context rows and then
+the block tokens (attention.py's key layout).
+
+What a block sees is two spans: the context rows `[start_i, end_i)` (its anchor's document before the
+anchor, cut to the window on sliding layers) and its own B block keys. Every query row of block i in
+one KV head's group (G = Hq/Hkv heads x B slots) shares that key set, so one program takes all
+G*B of them as one tile and walks only keys someone in the tile sees: no masked-out tile is
+visited, and GQA needs no repeat of K/V (the G heads' rows meet the same K/V tile in one matmul).
+
+- forward, per (block, KV head): online softmax over the context span in tiles of BLOCK_N, then the
+  B block keys; writes the output and the log-sum-exp (base 2) per row.
+- backward 1, per (block, KV head): dQ over the same keys, and dK/dV of the block's own keys (no
+  other block sees them); also D_i = rowsum(dO * O).
+- backward 2, per (context tile, KV head): dK/dV of BLOCK_N2 context rows, summed over the blocks
+  whose spans touch the tile. Valid anchors are sorted and their documents are contiguous spans,
+  so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`.
+
+Programs run longest span first (`order`), so the long ones do not start in the last wave.
+Deterministic: no atomics. Triton is imported on first use; on CPU the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1), which the tests use against the dense mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
+# walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
+# rows per program. One layer's backward: 2.29 ms with 64/64, 4 warps, 2 stages everywhere; dQ over
+# 128-key tiles 1.87; dK/dV over 128-row tiles with 8 warps 2.03. dQ over 128 keys with 3 stages
+# needs 256 KiB of shared memory, more than an H200 has.
+TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 128, "BLOCK_N2": 128, "fwd_warps": 4, "fwd_stages": 3, "dq_warps": 4,
+         "dq_stages": 2, "dkv_warps": 8, "dkv_stages": 2}
+MAX_ROWS = 128  # G*B rows per program beyond which the tile would not fit in registers
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """Why these shapes cannot run the kernels (None: they can)."""
+    rows = _next_pow2(num_heads // num_kv_heads * block_size)
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"block_size={block_size} (the kernels need a power of two >= 16)"
+    if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256:
+        return f"head_dim={head_dim} (the kernels need a power of two in [16, 256])"
+    if rows > MAX_ROWS:
+        return (f"{num_heads // num_kv_heads} query heads per KV head x block_size {block_size} = {rows} rows "
+                f"> {MAX_ROWS}")
+    return None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
+    from .ce_kernels import available as triton_available
+
+    return triton_available(device)
+
+
+@dataclass
+class BlockSpans:
+    """Per-step spans of one layer kind (full or sliding), shared by every layer of that kind."""
+
+    start: torch.Tensor  # [A] int32: first context row block i sees (T for an invalid anchor)
+    end: torch.Tensor  # [A] int32: one past its last (the anchor; T for an invalid anchor)
+    anchor: torch.Tensor  # [A] int32: the anchor's position (the window's reference)
+    order: torch.Tensor  # [A] int32: blocks, longest span first
+    lo: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: first block whose span touches context tile j
+    hi: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: one past the last
+    tile_order: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: context tiles, most blocks first
+    block_size: int  # B
+    window: int  # sliding window W, 0 on full-attention layers
+    key_tile: int  # context rows per tile of `lo`/`hi` (the dK/dV kernel's BLOCK_N2)
+
+
+def block_spans(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tensor, block_size: int,
+                window: int | None = None, key_tile: int | None = None) -> BlockSpans:
+    """The spans `make_mask_mod` describes, for one packed row. Fixed shapes, no host sync.
+
+    Context row p is visible to slot k of block i iff start_i <= p < end_i and, with a window W,
+    a_i + k - p < W. start_i is the anchor's document start (or a_i - W + 1 if later: slot 0's
+    bound; later slots are cut inside the kernel)."""
+    T = doc_ids.shape[0]
+    key_tile = key_tile or TILES["BLOCK_N2"]
+    pos = torch.arange(T, device=doc_ids.device)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[1:] = doc_ids[1:] != doc_ids[:-1]
+    doc_start = torch.where(new_doc, pos, 0).cummax(0).values
+    start = doc_start[anchors]
+    if window:
+        start = torch.maximum(start, anchors - window + 1)
+    start = torch.where(valid, start, T)
+    end = torch.where(valid, anchors, T)
+    # Valid anchors ascend and come first, so `start` and `end` ascend over all A blocks.
+    tiles = torch.arange(0, T, key_tile, device=doc_ids.device)
+    lo = torch.searchsorted(end, tiles, right=True)  # first span ending after the tile's first row
+    hi = torch.maximum(torch.searchsorted(start, tiles + key_tile), lo)  # first span starting past it
+    i32 = torch.int32
+    return BlockSpans(
+        start=start.to(i32), end=end.to(i32), anchor=anchors.to(i32),
+        order=torch.argsort(start - end, stable=True).to(i32),
+        lo=lo.to(i32), hi=hi.to(i32), tile_order=torch.argsort(lo - hi, stable=True).to(i32),
+        block_size=block_size, window=int(window or 0), key_tile=key_tile)
+
+
+def _kernels():
+    from . import block_attn_triton as k
+
+    return k.block_attn_fwd, k.block_attn_bwd_dq, k.block_attn_bwd_dkv
+
+
+_stages: dict[tuple, int] = {}  # (kernel, its constexprs, device) -> the pipeline stages that fit
+
+
+def _launch(kernel, grid, args, meta: dict, warps: int, stages: int, device: torch.device) -> None:
+    """`kernel[grid](*args, **meta)`, with one pipeline stage fewer each time the GPU's shared memory
+    is too small for the tiles (a GPU with less of it than the H200 the tiles were measured on)."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(sorted(meta.items())), str(device))
+    stages = _stages.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            log.warning("block attention: %s does not fit in shared memory with %d stages; trying %d",
+                        key[0], stages, stages - 1)
+            stages -= 1
+            continue
+        _stages[key] = stages
+        return
+
+
+def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int, int, int, int, int]:
+    """(T, A, Hkv, G, ROWS, D) of a call."""
+    n_q, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    return k.shape[0] - n_q, n_q // block_size, hkv, g, _next_pow2(g * block_size), d
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16/fp16 inputs
+
+
+def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@torch.library.custom_op("dflash_mp::block_attention", mutates_args=())
+def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                        anchor: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                        tile_order: torch.Tensor, block_size: int, window: int, scale: float,
+                        key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[Q, Hq, D]`, lse); `lo`, `hi`, `tile_order`, `key_tile` are the backward's."""
+    q, k, v = (_last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
+    T, A, hkv, g, rows, d = _shape(q, k, block_size)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
+    fwd, _, _ = _kernels()
+    _launch(fwd, (A, hkv), (q, k, v, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), T,
+                            scale * math.log2(math.e)),
+            dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window, PREC=_prec(q)),
+            TILES["fwd_warps"], TILES["fwd_stages"], q.device)
+    return out, lse
+
+
+@block_attention_fwd.register_fake
+def _(q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile):
+    T, A, hkv, g, rows, d = _shape(q, k, block_size)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(A * hkv * rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash_mp::block_attention_backward", mutates_args=())
+def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, start: torch.Tensor, end: torch.Tensor, anchor: torch.Tensor,
+                        order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile_order: torch.Tensor,
+                        block_size: int, window: int, scale: float, key_tile: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's and k's shapes."""
+    # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16.
+    grad, q, k, v, out = (_last_dim_dense(x.to(q.dtype)) for x in (grad, q, k, v, out))
+    if k.stride() != v.stride() or not k.is_contiguous() or not q.is_contiguous():
+        # The kernels address dk/dv (allocated contiguous) with k/v's strides and dq with q's.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    T, A, hkv, g, rows, d = _shape(q, k, block_size)
+    dq, dk, dv = _grads_like(q, k, v)
+    delta = torch.empty_like(lse)
+    _, dq_kernel, dkv_kernel = _kernels()
+    scale2 = scale * math.log2(math.e)
+    common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=_prec(q))
+    _launch(dq_kernel, (A, hkv), (q, k, v, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0),
+                                  q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                                  out.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
+            dict(common, BLOCK_N=TILES["DQ_BLOCK_N"]), TILES["dq_warps"], TILES["dq_stages"], q.device)
+    _launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
+                                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                             v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
+            dict(common, BLOCK_N2=key_tile), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
+    return dq, dk, dv
+
+
+def _grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv: contiguous, in q's dtype (the kernels compute in it; the autograd formula casts dk and
+    dv back to k's and v's, which differ from q's under autocast)."""
+    return tuple(torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+
+
+@block_attention_bwd.register_fake
+def _(grad, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile):
+    return _grads_like(q, k, v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], start, end, anchor, order, lo, hi, tile_order)
+    ctx.args = (block_size, window, scale, key_tile)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order = ctx.saved_tensors
+    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order,
+                                     *ctx.args)
+    return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
+
+
+block_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: BlockSpans,
+                    scale: float | None = None) -> torch.Tensor:
+    """q `[Q, Hq, D]`, k/v `[T + Q, Hkv, D]` -> `[Q, Hq, D]`, the attention `make_mask_mod` describes."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, _ = block_attention_fwd(q, k, v, spans.start, spans.end, spans.anchor, spans.order, spans.lo, spans.hi,
+                                 spans.tile_order, spans.block_size, spans.window, scale, spans.key_tile)
+    return out

@@ -1,0 +1,217 @@
+"""The Triton block-attention kernels (drafter.attention=triton) against the dense mask they replace.
+
+The spans (which context rows each block sees, which blocks touch each key tile) are checked against
+`make_mask_mod` on CPU. The kernels' output and gradients are checked against dense sdpa on the same
+`mask_mod`: on CPU in Triton's interpreter (tests/triton_interp.py), on CUDA in bf16 and compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
+
+import triton_interp
+from dflash_mp.model.anchors import sample_anchors
+from dflash_mp.model.attention import make_mask_mod, resolve_backend
+from dflash_mp.model.block_attn import block_spans, unsupported
+
+# (T, A, B, Hq, Hkv, D, window, document lengths): full and sliding; invalid anchors (fewer
+# candidates than A); 3 query heads per KV head (48 rows in a 64-row tile); B = 32; one document;
+# T not a multiple of the key tile.
+CASES = [
+    (80, 6, 16, 4, 2, 16, None, [30, 37]),
+    (80, 6, 16, 4, 2, 16, 5, [30, 37]),
+    (100, 40, 16, 6, 2, 16, None, [3, 40, 20]),
+    (100, 40, 16, 6, 2, 16, 7, [3, 40, 20]),
+    (70, 4, 16, 2, 2, 32, 20, [70]),
+    (130, 10, 32, 2, 1, 16, None, [130]),
+]
+
+
+def make_row(T, A, lens, device="cpu", seed=0):
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [torch.full((T - sum(lens),), -1)])
+    g = torch.Generator().manual_seed(seed)
+    loss = ((torch.rand(T, generator=g) < 0.8) & (docs >= 0)).long()
+    noise = torch.rand(2, T, generator=g)
+    anchors, valid = sample_anchors(loss, docs, A, None, noise=noise)
+    return anchors.to(device), valid.to(device), docs.to(device)
+
+
+def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
+    """The kernels' out, dq, dk, dv against fp32 dense sdpa on `make_mask_mod`: relative L2 errors."""
+    from dflash_mp.model.block_attn import block_attention
+
+    anchors, valid, docs = make_row(T, A, lens, device)
+    Q = A * B
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(n, h, D, generator=g).to(device, dtype).requires_grad_()
+               for n, h in ((Q, Hq), (T + Q, Hkv), (T + Q, Hkv)))
+    spans = block_spans(anchors, valid, docs, B, window)
+    fn = torch.compile(block_attention, fullgraph=True) if compiled else block_attention
+    out = fn(q, k, v, spans)
+    grad = torch.randn(out.shape, generator=g).to(device, dtype)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    mask = create_mask(make_mask_mod(anchors, valid, docs, T, B, window), 1, 1, Q, T + Q, device)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qf, kf, vf)), attn_mask=mask,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    want = (ref, *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
+    return {name: float((a.detach().float() - b.detach()).norm() / b.detach().norm())
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def check_interpreter() -> None:
+    """Every case in fp32 through the interpreter: the kernels' arithmetic is the dense path's."""
+    for case in CASES:
+        errors = compare(*case)
+        assert max(errors.values()) < 1e-5, (case, errors)
+
+
+def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blocks_that_see_them():
+    for T, A, B, _, _, _, window, lens in CASES:
+        anchors, valid, docs = make_row(T, A, lens)
+        tile = 16
+        spans = block_spans(anchors, valid, docs, B, window, key_tile=tile)
+        seen = create_mask(make_mask_mod(anchors, valid, docs, T, B, window), 1, 1, A * B, T + A * B,
+                           device="cpu")[0, 0, :, :T]
+        per_block = seen.view(A, B, T).any(1)  # [A, T]: context rows some slot of block i sees
+        rows = torch.arange(T)
+        span = (rows >= spans.start[:, None]) & (rows < spans.end[:, None])
+        # Slot 0 sees exactly the span; later slots see no more (a window cuts them inside the kernels).
+        assert torch.equal(seen.view(A, B, T)[:, 0], span)
+        assert not (per_block & ~span).any()
+        assert (spans.start[~valid] == T).all() and (spans.end[~valid] == T).all()
+        assert (spans.start.diff() >= 0).all() and (spans.end.diff() >= 0).all()
+        for j in range(spans.lo.shape[0]):
+            touched = span[:, j * tile:(j + 1) * tile].any(1).nonzero().flatten().tolist()
+            lo, hi = int(spans.lo[j]), int(spans.hi[j])
+            assert set(touched) <= set(range(lo, hi)), (j, touched, lo, hi)
+            # No block in [lo, hi) is outside the tile's reach: each overlaps it or has an empty span.
+            for i in range(lo, hi):
+                assert i in touched or spans.start[i] == spans.end[i], (j, i)
+        assert sorted(spans.order.tolist()) == list(range(A))
+        lengths = (spans.end - spans.start)[spans.order.long()]
+        assert (lengths.diff() <= 0).all()  # longest span first
+
+
+def test_shapes_the_kernels_refuse_are_named_with_the_fix():
+    assert unsupported(32, 8, 128, 16) is None  # Qwen3-8B
+    assert "block_size=12" in unsupported(32, 8, 128, 12)
+    assert "head_dim=96" in unsupported(32, 8, 96, 16)
+    assert "256 rows" in unsupported(64, 4, 128, 16)
+    with pytest.raises(ValueError, match="drafter.attention=triton cannot run block_size=12.*drafter.attention=flex"):
+        resolve_backend("triton", "cpu", unsupported(32, 8, 128, 12))
+    assert resolve_backend("auto", "cpu") == "dense"
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_kernels_match_dense_attention_in_the_triton_interpreter():
+    run = triton_interp.run("test_block_attn", "check_interpreter()")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_kernels_match_dense_attention_on_cuda(compiled):
+    """bf16 at 8B-like head shapes (32 query heads over 8 KV heads, D = 128), eager and compiled."""
+    torch._dynamo.reset()
+    for window in (None, 64):
+        errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16, compiled)
+        assert max(errors.values()) < 2e-2, (window, errors)
+
+
+def check_drafter() -> None:
+    """A drafter of one sliding and one full layer: loss and every gradient with the kernels equal
+    the dense path's (fp32)."""
+    from dflash_mp.model import DFlashDrafter, DrafterArgs
+    from dflash_mp.model.anchors import build_blocks
+
+    T, A, B, H = 96, 5, 16, 32
+    args = DrafterArgs(hidden_size=H, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       vocab_size=64, target_layer_ids=[1, 2], mask_token_id=63, block_size=B,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=24)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(args)
+    anchors, valid, docs = make_row(T, A, [40, 50])
+    pos = torch.cat([torch.arange(40), torch.arange(50), torch.zeros(6, dtype=torch.long)])
+    hidden = torch.randn(T, 2 * H)
+    _, block_pos = build_blocks(torch.zeros(T, dtype=torch.long), pos, anchors, B, 63)
+    embeds = torch.randn(A * B, H)
+    results = {}
+    for backend in ("dense", "triton"):
+        drafter.zero_grad(set_to_none=True)
+        out = drafter(hidden, embeds, pos, block_pos, drafter.build_attention(anchors, valid, docs, backend=backend))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results[backend] = (out.detach(), [p.grad.clone() for p in drafter.parameters()])
+    torch.testing.assert_close(results["triton"][0], results["dense"][0], atol=1e-5, rtol=1e-5)
+    for got, want in zip(results["triton"][1], results["dense"][1]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+    # Compiled under bf16 autocast with fp32 block inputs: q and k reach the kernels in fp32 (RoPE in
+    # the inputs' dtype), v in bf16, and the backward's outputs must have the dtypes its fake says.
+    def step(backend):
+        out = drafter(hidden, embeds, pos, block_pos, drafter.build_attention(anchors, valid, docs, backend=backend))
+        return (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+
+    compiled = torch.compile(step)
+    losses = {}
+    for backend, fn in (("dense", step), ("triton", compiled)):
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = fn(backend)
+        loss.backward()
+        losses[backend] = (loss.detach(), [p.grad.clone() for p in drafter.parameters()])
+    torch.testing.assert_close(losses["triton"][0], losses["dense"][0], atol=0.1, rtol=0.02)
+    for got, want in zip(losses["triton"][1], losses["dense"][1]):
+        assert torch.isfinite(got).all() and (got - want).norm() <= 0.05 * want.norm() + 1e-6
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_a_drafter_with_the_kernels_equals_the_dense_one_in_the_triton_interpreter():
+    run = triton_interp.run("test_block_attn", "check_drafter()")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def check_stage_fallback() -> None:
+    """A kernel whose tiles overflow shared memory at 3 stages runs with 2; the choice is kept."""
+    from triton.runtime.errors import OutOfResources
+
+    from dflash_mp.model import block_attn
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **meta):
+                calls.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(262144, 232448, "shared memory")
+            return launch
+
+    kernel = Kernel()
+    block_attn._launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
+    block_attn._launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
+    assert calls == [3, 2, 2], calls
+    calls.clear()
+    try:
+
+        class Never(Kernel):
+            def __getitem__(self, grid):
+                def launch(*args, num_warps, num_stages, **meta):
+                    calls.append(num_stages)
+                    raise OutOfResources(1, 0, "shared memory")
+                return launch
+
+        block_attn._launch(Never(), (1,), (), {"BLOCK_N": 32}, 4, 2, torch.device("cpu"))
+    except OutOfResources:
+        assert calls == [2, 1], calls
+    else:
+        raise AssertionError("a kernel that never fits must raise")
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_tiles_too_large_for_shared_memory_fall_back_to_fewer_stages():
+    run = triton_interp.run("test_block_attn", "check_stage_fallback()")
+    assert run.returncode == 0, run.stderr[-3000:]
