@@ -3,9 +3,12 @@ document masks, capturing 5 layers): tokens/s and MFU per attention kernel / com
 what stopping after the last captured layer saves against a full forward with output_hidden_states.
 
     python bench/target_forward.py --variants full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled
+    python bench/target_forward.py --variants trunc-flex,trunc-flex-compiled,trunc-varlen,trunc-varlen-compiled
 
 `trunc-flex-compiled-ingraph` traces flex_attention into the compiled graph (Inductor then fuses the q/k
 norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it out (dflash_mp.target).
+`trunc-varlen[-compiled]` run FlashAttention-2's varlen kernel on the row's documents (CUDA only),
+always outside the compiled graph.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -28,7 +31,7 @@ PEAK = 790e12
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled,"
-                                          "trunc-flex-compiled-ingraph")
+                                          "trunc-flex-compiled-ingraph,trunc-varlen,trunc-varlen-compiled")
     ap.add_argument("--seq-len", type=int, default=3072)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
@@ -78,7 +81,7 @@ def main() -> None:
                 if not truncated:
                     truncate(model, max(layer_ids))
                     truncated = True
-                attn = "sdpa" if "sdpa" in v else "flex_attention"
+                attn = "sdpa" if "sdpa" in v else "varlen" if "varlen" in v else "flex_attention"
                 model.config._attn_implementation = attn
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"))

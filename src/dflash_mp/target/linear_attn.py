@@ -28,19 +28,32 @@ class Spans:
     """The documents of one packed row as `cu_seqlens` [N + 1] (FlashAttention's convention), on the
     host and on the device. Padding (doc id -1) is a span of its own: it is never read."""
 
-    def __init__(self, bounds: torch.Tensor, device: torch.device):
+    def __init__(self, bounds: torch.Tensor, device: torch.device, non_blocking: bool = False):
         self.cpu = bounds
-        self.device = bounds.to(device)
+        pinned = non_blocking and torch.device(device).type == "cuda"
+        self.device = (bounds.pin_memory() if pinned else bounds).to(device, non_blocking=pinned)
 
     @classmethod
     def of(cls, doc_ids: torch.Tensor, device: torch.device) -> "Spans":
+        """Built on the host and copied from pinned memory without blocking: from host doc ids, no GPU
+        sync (doc ids on the device are read back first, a sync)."""
         docs = doc_ids.cpu()
         cuts = (torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist()
-        return cls(torch.tensor([0, *cuts, docs.shape[0]], dtype=torch.long), device)
+        return cls(torch.tensor([0, *cuts, docs.shape[0]], dtype=torch.long), device, non_blocking=True)
 
     def pairs(self) -> list[tuple[int, int]]:
         b = self.cpu.tolist()
         return list(zip(b[:-1], b[1:]))
+
+    @functools.cached_property
+    def int32(self) -> torch.Tensor:
+        """The device bounds as int32, as FlashAttention's varlen kernel takes them."""
+        return self.device.to(torch.int32)
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """The longest span, in tokens (FlashAttention's max_seqlen), read on the host."""
+        return int((self.cpu[1:] - self.cpu[:-1]).max())
 
 
 _active: list[Spans] = []  # the spans of the row being run (a stack: `documents` nests)
@@ -59,8 +72,13 @@ def documents(spans: Spans | None):
         _active.pop()
 
 
+def active_spans() -> Spans | None:
+    """The spans of the row being run; None outside `documents(...)`."""
+    return _active[-1] if _active else None
+
+
 def current_spans() -> Spans:
-    assert _active, "a varlen linear-attention op ran outside `documents(...)`"
+    assert _active, "a varlen op (linear attention, or varlen attention) ran outside `documents(...)`"
     return _active[-1]
 
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from ..batch import HiddenBatch, PackedBatch
 from .linear_attn import Spans, describe as describe_linear, documents, install
-from .attention import (FLEX_OUTSIDE_GRAPH, block_diagonal_causal_mask, choose_attention, describe_attention,
-                        doc_causal_block_mask, load_attention, register_flex_outside_graph, sliding_window_of,
-                        supports_flex)
+from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
+                        choose_attention, describe_attention, doc_causal_block_mask, load_attention,
+                        register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of, supports_flex)
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,10 @@ class TargetWorker:
     layer), not one graph of 64 layers, which took minutes on a cold node. `compile_scope="forward"`
     compiles the whole forward as one region (for comparison). flex_attention runs as its own compiled
     kernel between the graph pieces (`FLEX_OUTSIDE_GRAPH`) unless `flex_in_graph`; linear-attention
-    layers are custom ops inside the graph (linear_attn.py).
+    layers are custom ops inside the graph (linear_attn.py). `varlen` attention (FlashAttention-2's
+    varlen kernel) always runs outside the graph (`VARLEN_OUTSIDE_GRAPH`), on the row's document spans
+    (`documents`, as linear attention), not a mask: a graph input whose size is the row's document
+    count would recompile the layers at every new count.
 
     `layers` = (first, end): one stage of a staged target (stages.py) runs decoder layers [first, end)
     only. A first stage takes PackedBatches; a later one takes the previous stage's HiddenBatch, whose
@@ -65,12 +68,17 @@ class TargetWorker:
         config = model.config
         self.hidden_size = config.get_text_config().hidden_size
         self.dtype = next(p.dtype for p in decoder.parameters() if p.is_floating_point())
+        self.window = sliding_window_of(config)
         attn = config._attn_implementation
         self.flex = attn in ("flex_attention", FLEX_OUTSIDE_GRAPH)
+        self.varlen = attn in ("varlen", VARLEN_OUTSIDE_GRAPH)
         if self.flex and ((compile and not flex_in_graph) or not supports_flex(type(model))):
             config._attn_implementation = register_flex_outside_graph()
-        self.attention = describe_attention("flex_attention" if self.flex else attn, type(model), compile)
-        self.window = sliding_window_of(config)
+        if self.varlen:
+            check_varlen(device, self.dtype, self.window)
+            config._attn_implementation = register_varlen_outside_graph()
+        self.attention = describe_attention("flex_attention" if self.flex else "varlen" if self.varlen else attn,
+                                            type(model), compile)
         types = list(getattr(config, "layer_types", None) or [])
         self.layer_types = [types[i] if i < len(types) else "full_attention" for i in range(len(decoder.layers))]
         odd = sorted(set(self.layer_types[first:end]) - set(LAYER_TYPES))
@@ -120,8 +128,8 @@ class TargetWorker:
             model = load_stage(path, first, end, keep_norm=end == last + 1, dtype=dtype, attn=load_as)
         else:
             model = random_target(path, seed, device, dtype, load_as, first, end, keep_norm=end == last + 1)
-        if attn == "flex_attention":
-            model.config._attn_implementation = "flex_attention"  # TargetWorker registers it where needed
+        if attn in ("flex_attention", "varlen"):
+            model.config._attn_implementation = attn  # TargetWorker registers its function where needed
         if getattr(model.config, "output_router_logits", False):
             model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
         truncate(model, last)
@@ -173,11 +181,13 @@ class TargetWorker:
         return torch.cat(parts, dim=-1)
 
     def masks(self, docs: torch.Tensor) -> dict:
-        """The packed-document mask per layer type (linear-attention layers take none: they get the
-        row's document spans instead)."""
+        """The packed-document mask per layer type (linear-attention layers, and all layers under
+        varlen attention, take none: they get the row's document spans instead)."""
         build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
         present = set(self.layer_types[slice(*self.stage_layers)])
         masks = {t: None for t in LAYER_TYPES}
+        if self.varlen:
+            return masks
         if "full_attention" in present:
             masks["full_attention"] = build(docs)
         if "sliding_attention" in present:
@@ -185,7 +195,7 @@ class TargetWorker:
         return masks
 
     def spans(self, docs: torch.Tensor) -> Spans | None:
-        return Spans.of(docs, self.device) if self.linear else None
+        return Spans.of(docs, self.device) if self.linear or self.varlen else None
 
     def _capture(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, docs_host: torch.Tensor,
                  before: torch.Tensor | None = None) -> torch.Tensor:
