@@ -36,14 +36,17 @@ def main() -> None:
     ap.add_argument("--target-json", required=True, help="bench/target_forward.py output")
     ap.add_argument("--target-variant", default="trunc-flex")
     ap.add_argument("--drafter-json", required=True, help="bench/drafter_step.py output")
-    ap.add_argument("--drafter-mode", default="default+loss", help="the mode train.compile=auto runs on a GPU")
+    ap.add_argument("--drafter-mode", default="default+ce=triton", help="the mode train.compile=auto runs on a GPU")
     ap.add_argument("--run-dir", required=True, help="run_dir of the 1+1 dflash_mp.main run")
     ap.add_argument("--skip", type=int, default=20, help="steps excluded as warm-up")
     a = ap.parse_args()
     with open(a.target_json) as f:
-        t_target = next(v["ms"] for v in json.load(f)["variants"] if v["variant"] == a.target_variant)
+        tv = next(v for v in json.load(f)["variants"] if v["variant"] == a.target_variant)
     with open(a.drafter_json) as f:
-        t_drafter = next(m["ms_per_step"] for m in json.load(f)["modes"] if m["mode"] == a.drafter_mode)
+        dm = next(m for m in json.load(f)["modes"] if m["mode"] == a.drafter_mode)
+    t_target, t_drafter = tv["ms"], dm["ms_per_step"]
+    # The physical limit: every FLOP of both roles per row at the bf16 matmul ceiling (790 TFLOP/s).
+    limit = 790 / (tv["tflop"] + dm["tflop_per_step"])
     drafter = rows(f"{a.run_dir}/tb/drafter/scalars.jsonl")
     target = rows(f"{a.run_dir}/tb/target/scalars.jsonl")
     rate, steps = interval_rate(drafter, a.skip)
@@ -57,13 +60,15 @@ def main() -> None:
 
     out = {"t_target_ms": t_target, "t_drafter_ms": t_drafter, "ideal_samples_per_s": ideal,
            "measured_samples_per_s": rate, "steps_measured": steps, "efficiency": rate / ideal,
+           "physical_limit_samples_per_s": limit, "share_of_limit": rate / limit,
            "drafter_wait_ms_per_step": mean(late, "comm/wait_ms"),
            "target_stall_ms_per_step": mean(late_t, "comm/stall_ms"),
            "drafter_mfu_logged": mean(late, "throughput/mfu"),
            "recompiles_after_warmup": max((r.get("compile/recompiles", 0) for r in drafter), default=None)}
     write_json(out, "pipeline_1gpu.json")
     print(f"\n1+1 on one GPU: t_target {t_target:.1f} ms + t_drafter {t_drafter:.1f} ms -> ideal {ideal:.3f} samples/s; "
-          f"measured {rate:.3f} over {steps} steps; efficiency {rate / ideal:.3f}; drafter wait "
+          f"measured {rate:.3f} over {steps} steps; efficiency {rate / ideal:.3f}; {rate / limit:.3f} of the "
+          f"physical limit {limit:.2f}; drafter wait "
           f"{out['drafter_wait_ms_per_step']} ms/step, target stall {out['target_stall_ms_per_step']} ms/step")
 
 

@@ -11,7 +11,9 @@
 #   target    Qwen3-8B target forward variants with kernel profiles (issue 4.3)
 #   small     ~0.6B drafter, launch-bound: eager vs default vs reduce-overhead (issue 4.2)
 #   pipeline  1+1 ranks sharing the GPU at Qwen3-8B shapes, at defaults and with topology.gpu_turns=off
-#             ($PIPE_TURNS: the gpu_turns values to run, $PIPE_ARGS: more overrides)
+#             ($PIPE_TURNS: the gpu_turns values to run, $PIPE_STEPS, $PIPE_ARGS: more overrides;
+#             the parts alone: $PIPE_DRAFTER_MODE of the drafter part's JSON, the target part's JSON or
+#             $PIPE_TARGET_JSON's $PIPE_TARGET_VARIANT, else a target run of its own)
 # A warm Inductor cache (TORCHINDUCTOR_CACHE_DIR) turns minutes of kernel compilation into seconds.
 set -u
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
@@ -20,8 +22,9 @@ OUT="${OUT:-$PWD/bench/results}"
 PIPE=${PIPE:-/tmp/dflash_pipe}
 LOG="$OUT/run_h200.log"
 PARTS=${*:-warm tests ce drafter tiles target small pipeline}
-DRAFTER_MODES=${DRAFTER_MODES:-eager,default,default+loss,reduce-overhead+loss}
-WARM_MODES=${WARM_MODES:-default+loss}  # the 8B modes compiled during `warm`
+# The GPU default (Triton CE, Triton block attention), then the same with flex_attention.
+DRAFTER_MODES=${DRAFTER_MODES:-default+ce=triton,default+ce=triton+attn=flex}
+WARM_MODES=${WARM_MODES:-$DRAFTER_MODES}  # the 8B modes compiled during `warm`
 LOSS_STEPS=${LOSS_STEPS:-50}
 SMALL_MODES=${SMALL_MODES:-eager,default,default+loss,reduce-overhead,reduce-overhead+loss}
 export OUT
@@ -38,7 +41,7 @@ if has warm; then  # throw-away runs whose only product is the Inductor cache (f
         --preset qwen3_0p6b --modes "${SMALL_WARM_MODES:-default+ce=triton}" --scope layers --steps 1 --warmup 2 \
         > "$W/w06.log" 2>&1) & warm_jobs+=($!); }
     has target && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=4 timeout "${T_WARM:-330}" python3 target_forward.py \
-        --variants trunc-flex-compiled,trunc-flex-compiled-ingraph --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
+        --variants "${TARGET_WARM:-trunc-flex-compiled,trunc-flex-compiled-ingraph}" --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
 fi
 if has tests; then
     step gpu_tests "${T_TESTS:-330}" env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs -p no:cacheprovider \
@@ -57,7 +60,7 @@ fi
 cd bench
 has ce && step ce_chunk "${T_CE:-120}" python3 ce_chunk.py ${CE_VARIANTS:+--variants "$CE_VARIANTS"}
 has drafter && step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --modes "$DRAFTER_MODES" \
-    --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+loss}" --steps 10 --warmup 3 ${DRAFTER_ARGS:-}
+    --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+ce=triton}" --steps 10 --warmup 3 ${DRAFTER_ARGS:-}
 has tiles && step flex_tiles "${T_TILES:-300}" python3 flex_tiles.py ${TILES:+--variants "$TILES"} \
     --budget-s $(( ${T_TILES:-300} - 60 ))
 TARGET_VARIANTS=${TARGET_VARIANTS:-full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled,trunc-flex-compiled-ingraph}
@@ -66,19 +69,26 @@ has small && step drafter_0p6b "${T_SMALL:-110}" python3 drafter_step.py --prese
     --scope layers --steps 30 --warmup 5
 cd ..
 if has pipeline; then  # at the preset's defaults (compiled target, GPU turns), then without turns
-    step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex-compiled --steps 20
+    # The target alone: this call's `target` part when it ran (its JSON in $OUT), else a run of its own.
+    TJ=$(realpath "${PIPE_TARGET_JSON:-$OUT/target_qwen3_8b.json}")  # absolute: pipeline.py runs in bench/
+    if ! has target && [ -z "${PIPE_TARGET_JSON:-}" ]; then
+        TJ="$PIPE/target_qwen3_8b.json"
+        step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-flex-compiled --steps 20
+    fi
     python3 -m dflash_mp.builtin make-data make_data.out="$PIPE/long_chats.jsonl" make_data.num=600 \
         make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
     for turns in ${PIPE_TURNS:-auto off}; do  # off: the second run finds the first's compiled graphs
         step "pipeline_1p1_turns_$turns" "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
             experiment=qwen3_8b target.path=builtin:random-qwen3-8b topology.gpu_turns="$turns" \
-            data.path="$PIPE/long_chats.jsonl" train.max_steps=80 logging.log_every=10 logging.progress=false \
+            data.path="$PIPE/long_chats.jsonl" train.max_steps="${PIPE_STEPS:-80}" logging.log_every=10 logging.progress=false \
             checkpoint.every=0 checkpoint.overwrite=true run_dir="$PIPE/run_$turns" ${PIPE_ARGS:-}
         cp "$PIPE/run_$turns/tb/drafter/scalars.jsonl" "$OUT/pipe_${turns}_drafter_scalars.jsonl" 2>/dev/null
-        (cd bench && python3 pipeline.py --target-json "$PIPE/target_qwen3_8b.json" --target-variant trunc-flex-compiled \
+        cp "$PIPE/run_$turns/tb/target/scalars.jsonl" "$OUT/pipe_${turns}_target_scalars.jsonl" 2>/dev/null
+        (cd bench && python3 pipeline.py --target-json "$TJ" --target-variant "${PIPE_TARGET_VARIANT:-trunc-flex-compiled}" \
+            --drafter-mode "${PIPE_DRAFTER_MODE:-default+ce=triton}" --skip "${PIPE_SKIP:-20}" \
             --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run_$turns") 2>&1 | tee -a "$LOG"
     done
-    cp "$PIPE/target_qwen3_8b.json" "$OUT/pipe_target_alone.json" 2>/dev/null
+    has target || [ -n "${PIPE_TARGET_JSON:-}" ] || cp "$PIPE/target_qwen3_8b.json" "$OUT/pipe_target_alone.json" 2>/dev/null
 fi
 grep -E "^(qwen3_|target forward|flex_attention, one|CE chunk)" -A10 "$LOG" | grep -v "^--" | cut -c1-160
 grep -E "GPU ms.* by kernel class|GPU idle|loss match|passed|failed" "$LOG" | cut -c1-300
