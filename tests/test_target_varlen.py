@@ -10,28 +10,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.target import VARLEN_OUTSIDE_GRAPH, TargetWorker, attention, truncate, worker as worker_mod
 from dflash_mp.target.attention import VarlenKernel, check_varlen, choose_attention, describe_attention, load_attention
 from dflash_mp.target.linear_attn import Spans
+from test_target import packed
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-
-
-def packed(doc_lens, seq_len, vocab, seed=0) -> PackedBatch:
-    """Documents of `doc_lens` tokens, then padding (doc id -1) up to `seq_len`."""
-    g = torch.Generator().manual_seed(seed)
-    n = sum(doc_lens)
-    ids = torch.zeros(seq_len, dtype=torch.long)
-    ids[:n] = torch.randint(0, vocab, (n,), generator=g)
-    pos = torch.zeros(seq_len, dtype=torch.long)
-    docs = torch.full((seq_len,), -1, dtype=torch.long)
-    o = 0
-    for d, m in enumerate(doc_lens):
-        pos[o:o + m], docs[o:o + m] = torch.arange(m), d
-        o += m
-    return PackedBatch(ids, pos, docs, (docs >= 0).long(), len(doc_lens), n)
 
 
 def tiny_qwen3(device, dtype, window=None, head_dim=8):
