@@ -43,10 +43,21 @@ def compile_in_a_new_process(tmp_path, mode: str, path: str, cache: str) -> dict
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_artifact_names_say_role_torch_and_device(tmp_path):
+def test_artifact_names_say_role_torch_device_and_code(tmp_path):
     path = compile_cache.artifact_path(str(tmp_path), "drafter", torch.device("cpu"))
-    assert path == str(tmp_path / "compile_cache" / f"drafter-torch{torch.__version__}-cpu.bin")
+    stamp = compile_cache.code_stamp()
+    assert path == str(tmp_path / "compile_cache" / f"drafter-torch{torch.__version__}-cpu-{stamp}.bin")
     assert not compile_cache.load(path)  # nothing saved yet: compile as usual
+    # Other code, another file: a source edited, added or renamed changes the stamp.
+    code = tmp_path / "pkg"
+    (code / "model").mkdir(parents=True)
+    (code / "model" / "op.py").write_text("def f(): return 1\n")
+    first = compile_cache.code_stamp(str(code))
+    (code / "model" / "op.py").write_text("def f(): return 2\n")
+    edited = compile_cache.code_stamp.__wrapped__(str(code))
+    (code / "model" / "op.py").rename(code / "model" / "op2.py")
+    renamed = compile_cache.code_stamp.__wrapped__(str(code))
+    assert len({first, edited, renamed, stamp}) == 4 and all(len(s) == 10 for s in (first, edited, renamed))
 
 
 @pytest.mark.slow

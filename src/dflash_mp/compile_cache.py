@@ -2,29 +2,44 @@
 
 torch's portable compile caches (`torch.compiler.save_cache_artifacts` / `load_cache_artifacts`:
 Inductor's FX graphs, autotuning choices, Triton kernels) are written by each role's leader once its
-warm-up has compiled everything, to `<run_dir>/compile_cache/<role>-torch<version>-<device>.bin`,
+warm-up has compiled everything, to `<run_dir>/compile_cache/<role>-torch<version>-<device>-<code>.bin`,
 and loaded by every rank of that role before its first compiled call. A restarted job, the other
 nodes of a job that shares its run directory, and a node with an empty `TORCHINDUCTOR_CACHE_DIR` then
-look the graphs up instead of compiling them (an 8B drafter: minutes). A stale file costs nothing:
-graphs are found by their own hashes, and what does not match is compiled as usual.
+look the graphs up instead of compiling them (an 8B drafter: minutes). Graphs are found by their own
+hashes, and what does not match is compiled as usual; but those hashes do not cover a custom op's
+declared outputs (its fake implementation), so a graph saved by other code could be reused against a
+changed op. `<code>` (a hash of this package's sources) keeps each version of the code to its own file.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import logging
 import os
 import re
 import time
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def code_stamp(root: str | None = None) -> str:
+    """10 hex digits of a hash over the package's Python sources (paths and contents)."""
+    base = Path(root or Path(__file__).parent)
+    h = hashlib.sha1()
+    for f in sorted(base.rglob("*.py")):
+        h.update(str(f.relative_to(base)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def artifact_path(run_dir: str, role: str, device: torch.device) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    tag = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{role}-torch{torch.__version__}-{where}")
+    tag = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{role}-torch{torch.__version__}-{where}-{code_stamp()}")
     return os.path.join(run_dir, "compile_cache", f"{tag}.bin")
 
 
