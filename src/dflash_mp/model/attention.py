@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from dflash_mp.block_mask import build_block_mask, compiled_once
-from dflash_mp.model import block_attn
-from dflash_mp.model.block_attn import BlockSpans, block_spans
+from dflash_mp.model.block_attn import BlockSpans, block_attention, block_spans
+from dflash_mp.model.block_attn import available as block_kernels_available
 from dflash_mp.options import resolve_auto
 
 FULL_ATTENTION = "full_attention"
@@ -94,13 +94,13 @@ def resolve_backend(backend: str, device: torch.device | str, triton_unsupported
         return backend  # resolved and checked before the compile (DFlashObjective)
     device = torch.device(device)
     if backend == "auto" and device.type == "cuda":
-        return "triton" if triton_unsupported is None and block_attn.available(device) else "flex"
+        return "triton" if triton_unsupported is None and block_kernels_available(device) else "flex"
     resolved = resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
     if resolved == "triton":
         if triton_unsupported is not None:
             raise ValueError(f"drafter.attention=triton cannot run {triton_unsupported}; use drafter.attention=flex "
                              "(or auto)")
-        if not block_attn.available(device):
+        if not block_kernels_available(device):
             raise ValueError(f"drafter.attention=triton needs CUDA and the triton package (device {device}); use "
                              "drafter.attention=auto (dense sdpa on CPU)")
     return resolved
@@ -120,7 +120,7 @@ class BlockAttention:
         mask = self.sliding if sliding else self.full
         assert mask is not None, "no mask was built for this layer kind"
         if self.backend == "triton":
-            return block_attn.block_attention(q, k, v, mask)
+            return block_attention(q, k, v, mask)
         q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.backend == "dense":

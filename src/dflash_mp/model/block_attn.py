@@ -115,9 +115,9 @@ def block_spans(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
 
 
 def _kernels():
-    from . import block_attn_triton as k
+    from .block_attn_triton import block_attn_bwd_dkv, block_attn_bwd_dq, block_attn_fwd
 
-    return k.block_attn_fwd, k.block_attn_bwd_dq, k.block_attn_bwd_dkv
+    return block_attn_fwd, block_attn_bwd_dq, block_attn_bwd_dkv
 
 
 _stages: dict[tuple, int] = {}  # (kernel, its constexprs, device) -> the pipeline stages that fit
