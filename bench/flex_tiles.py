@@ -54,15 +54,21 @@ VARIANTS = {
     "mask64": ((64, 64), dict(BWD64, fwd_BLOCK_M=64, fwd_BLOCK_N=64)),
     "autotune": ((128, 128), None),  # None: compiled with max-autotune (Inductor picks the tiles)
 }
-# name -> block_attn.TILES overrides (the Triton block kernels; "triton" is the default tiles)
+# name -> block_attn.TILES overrides (the Triton block kernels; "triton" is the default tiles). The
+# `triton-first*` family is the first tiles (64-key dQ and dK/dV tiles, 4 warps, 2 backward stages) with
+# one change each, the sweep that chose the defaults (BENCHMARKS.md, issue 31).
+FIRST = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 64, "fwd_warps": 4, "fwd_stages": 3, "dq_warps": 4,
+         "dq_stages": 2, "dkv_warps": 4, "dkv_stages": 2}
 TRITON_VARIANTS = {
-    "triton": {},  # block_attn.TILES as they are
-    # the first tiles (64-key dQ and dK/dV tiles, 4 warps, 2 stages)
-    "triton-first": {"DQ_BLOCK_N": 64, "BLOCK_N2": 64, "dq_stages": 2, "dkv_warps": 4, "dkv_stages": 2},
-    "triton-dq64": {"DQ_BLOCK_N": 64},
+    "triton": {},
+    "triton-first": FIRST,
+    "triton-n128": dict(FIRST, BLOCK_N=128, DQ_BLOCK_N=128),  # forward and dQ over 128-key tiles
+    "triton-n2x32": dict(FIRST, BLOCK_N2=32),
+    "triton-n2x128": dict(FIRST, BLOCK_N2=128, dkv_warps=8),
+    "triton-w8": dict(FIRST, fwd_warps=8, dq_warps=8, dkv_warps=8),
+    "triton-s3": dict(FIRST, dq_stages=3, dkv_stages=3),
     "triton-dqw8": {"dq_warps": 8},
     "triton-dkvw4": {"dkv_warps": 4},
-    "triton-s2": {"dq_stages": 2, "dkv_stages": 2},
     "triton-fwd128": {"BLOCK_N": 128, "fwd_warps": 8},
     "triton-fwds4": {"fwd_stages": 4},
 }
@@ -90,6 +96,35 @@ def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
         return [x.transpose(0, 1)[None] for x in (o.detach(), qq.grad, kk.grad, vv.grad)]
 
     return fwd, fwd_bwd, result
+
+
+def flex_variant(name: str, masks: dict, mask_mod, q_len: int, kv_len: int, q, k, v, dout, device):
+    """(fwd, fwd_bwd, result, info) of flex_attention with the BlockMask size and kernel options `name`
+    says (`masks`: the BlockMasks built so far, by size)."""
+    size, opts = VARIANTS[name]
+    if size not in masks:
+        masks[size] = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=size)
+    bm = masks[size]
+    mode = "max-autotune-no-cudagraphs" if opts is None else None
+    fn = torch.compile(lambda q, k, v, bm=bm, o=opts or {}: flex_attention(
+        q, k, v, block_mask=bm, enable_gqa=True, kernel_options=o), dynamic=False, mode=mode)
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+
+    def fwd():
+        return fn(qq, kk, vv)
+
+    def fwd_bwd():
+        fwd().backward(dout)
+        qq.grad = kk.grad = vv.grad = None
+
+    def result():
+        o = fwd()
+        o.backward(dout)
+        return [o.detach(), qq.grad, kk.grad, vv.grad]
+
+    full = bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
+    return fwd, fwd_bwd, result, {"block_size": list(size), "kernel_options": opts,
+                                  "tiles": int(bm.kv_num_blocks.sum() + full)}
 
 
 def mask_mod_pairs(mask_mod, q_len: int, kv_len: int, device) -> int:
@@ -130,63 +165,25 @@ def main() -> None:
         if time.time() - t0 > a.budget_s:
             out.append({"variant": name, "error": "skipped: over --budget-s"})
             continue
-        if name in TRITON_VARIANTS:
-            try:
-                fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
-                tc = time.time()
-                fwd_bwd()
-                compile_s = time.time() - tc
-                f_ms = median(timed(fwd, a.steps, device))
-                fb_ms = median(timed(fwd_bwd, a.steps, device))
-                res = result()
-                diff = None
-                if ref is None:
-                    ref = res
-                else:
-                    diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
-                r = {"variant": name, "block_size": None, "kernel_options": TRITON_VARIANTS[name], "fwd_ms": f_ms,
-                     "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms, "compile_s": round(compile_s, 1), "tiles": 0,
-                     "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
-            except Exception as e:  # one variant failing must not lose the others
-                r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
-            print(r, flush=True)
-            out.append(r)
-            continue
-        size, opts = VARIANTS[name]
         try:
-            if size not in masks:
-                masks[size] = create_block_mask(mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=size)
-            bm = masks[size]
-            mode = "max-autotune-no-cudagraphs" if opts is None else None
-            fn = torch.compile(lambda q, k, v, bm=bm, o=opts or {}: flex_attention(
-                q, k, v, block_mask=bm, enable_gqa=True, kernel_options=o), dynamic=False, mode=mode)
-            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            if name in TRITON_VARIANTS:
+                fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
+                info = {"block_size": None, "kernel_options": TRITON_VARIANTS[name], "tiles": 0}
+            else:
+                fwd, fwd_bwd, result, info = flex_variant(name, masks, mask_mod, q_len, kv_len, q, k, v, dout, device)
             tc = time.time()
-
-            def fwd():
-                return fn(qq, kk, vv)
-
-            def fwd_bwd():
-                fn(qq, kk, vv).backward(dout)
-                qq.grad = kk.grad = vv.grad = None
-
             fwd_bwd()
             compile_s = time.time() - tc
             f_ms = median(timed(fwd, a.steps, device))
             fb_ms = median(timed(fwd_bwd, a.steps, device))
-            o = fwd()
-            o.backward(dout)
-            res = [o.detach(), qq.grad, kk.grad, vv.grad]
+            res = result()
             diff = None
             if ref is None:
                 ref = res
             else:
                 diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
-            full = bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0
-            r = {"variant": name, "block_size": list(size), "kernel_options": opts, "fwd_ms": f_ms,
-                 "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms, "compile_s": round(compile_s, 1),
-                 "tiles": int(bm.kv_num_blocks.sum() + full), "max_rel_diff_vs_first": diff,
-                 "fwd_tflops": fwd_flop / f_ms / 1e9}
+            r = {"variant": name, **info, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms,
+                 "compile_s": round(compile_s, 1), "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
         except Exception as e:  # one variant failing must not lose the others
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
         print(r, flush=True)

@@ -192,11 +192,10 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         block_size: int, window: int, scale: float, key_tile: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's and k's shapes."""
-    # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16.
-    grad, q, k, v, out = (_last_dim_dense(x.to(q.dtype)) for x in (grad, q, k, v, out))
-    if k.stride() != v.stride() or not k.is_contiguous() or not q.is_contiguous():
-        # The kernels address dk/dv (allocated contiguous) with k/v's strides and dq with q's.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16. q, k and v
+    # contiguous (as the projections produce them): the kernels address dq, dk, dv with their strides.
+    grad, out = (_last_dim_dense(x.to(q.dtype)) for x in (grad, out))
+    q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     dq, dk, dv = _grads_like(q, k, v)
     delta = torch.empty_like(lse)
