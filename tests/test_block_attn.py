@@ -178,33 +178,33 @@ def check_stage_fallback() -> None:
     """A kernel whose tiles overflow shared memory at 3 stages runs with 2; the choice is kept."""
     from triton.runtime.errors import OutOfResources
 
-    from dflash_mp.model import block_attn
+    from dflash_mp.model.triton_launch import launch
 
     calls = []
 
     class Kernel:
         def __getitem__(self, grid):
-            def launch(*args, num_warps, num_stages, **meta):
+            def run_kernel(*args, num_warps, num_stages, **meta):
                 calls.append(num_stages)
                 if num_stages > 2:
                     raise OutOfResources(262144, 232448, "shared memory")
-            return launch
+            return run_kernel
 
     kernel = Kernel()
-    block_attn._launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
-    block_attn._launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
+    launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
+    launch(kernel, (1,), (), {"BLOCK_N": 128}, 4, 3, torch.device("cpu"))
     assert calls == [3, 2, 2], calls
     calls.clear()
     try:
 
         class Never(Kernel):
             def __getitem__(self, grid):
-                def launch(*args, num_warps, num_stages, **meta):
+                def run_kernel(*args, num_warps, num_stages, **meta):
                     calls.append(num_stages)
                     raise OutOfResources(1, 0, "shared memory")
-                return launch
+                return run_kernel
 
-        block_attn._launch(Never(), (1,), (), {"BLOCK_N": 32}, 4, 2, torch.device("cpu"))
+        launch(Never(), (1,), (), {"BLOCK_N": 32}, 4, 2, torch.device("cpu"))
     except OutOfResources:
         assert calls == [2, 1], calls
     else:

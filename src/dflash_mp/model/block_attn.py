@@ -26,13 +26,12 @@ interpreter (TRITON_INTERPRET=1), which the tests use against the dense mask.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from .triton_launch import launch
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
@@ -120,30 +119,6 @@ def _kernels():
     return block_attn_fwd, block_attn_bwd_dq, block_attn_bwd_dkv
 
 
-_stages: dict[tuple, int] = {}  # (kernel, its constexprs, device) -> the pipeline stages that fit
-
-
-def _launch(kernel, grid, args, meta: dict, warps: int, stages: int, device: torch.device) -> None:
-    """`kernel[grid](*args, **meta)`, with one pipeline stage fewer each time the GPU's shared memory
-    is too small for the tiles (a GPU with less of it than the H200 the tiles were measured on)."""
-    from triton.runtime.errors import OutOfResources
-
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), tuple(sorted(meta.items())), str(device))
-    stages = _stages.get(key, stages)
-    while True:
-        try:
-            kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            log.warning("block attention: %s does not fit in shared memory with %d stages; trying %d",
-                        key[0], stages, stages - 1)
-            stages -= 1
-            continue
-        _stages[key] = stages
-        return
-
-
 def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int, int, int, int, int]:
     """(T, A, Hkv, G, ROWS, D) of a call."""
     n_q, hq, d = q.shape
@@ -171,7 +146,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
-    _launch(fwd, (A, hkv), (q, k, v, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0),
+    launch(fwd, (A, hkv), (q, k, v, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), T,
                             scale * math.log2(math.e)),
             dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window, PREC=_prec(q)),
@@ -202,11 +177,11 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
     common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=_prec(q))
-    _launch(dq_kernel, (A, hkv), (q, k, v, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0),
+    launch(dq_kernel, (A, hkv), (q, k, v, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0),
                                   q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                                   out.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
             dict(common, BLOCK_N=TILES["DQ_BLOCK_N"]), TILES["dq_warps"], TILES["dq_stages"], q.device)
-    _launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
+    launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
                                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                              v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
             dict(common, BLOCK_N2=key_tile), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
