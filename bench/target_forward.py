@@ -4,11 +4,13 @@ what stopping after the last captured layer saves against a full forward with ou
 
     python bench/target_forward.py --variants full-flex,trunc-sdpa-dense,trunc-flex,trunc-flex-compiled
     python bench/target_forward.py --variants trunc-flex,trunc-flex-compiled,trunc-varlen,trunc-varlen-compiled
+    python bench/target_forward.py --variants trunc-flex-compiled,trunc-triton,trunc-triton-compiled
 
 `trunc-flex-compiled-ingraph` traces flex_attention into the compiled graph (Inductor then fuses the q/k
 norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it out (dflash_mp.target).
 `trunc-varlen[-compiled]` run FlashAttention-2's varlen kernel on the row's documents (CUDA only),
-always outside the compiled graph.
+always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-document kernel
+(target.attn_implementation=triton, the GPU default), inside the compiled layers.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -81,7 +83,8 @@ def main() -> None:
                 if not truncated:
                     truncate(model, max(layer_ids))
                     truncated = True
-                attn = "sdpa" if "sdpa" in v else "varlen" if "varlen" in v else "flex_attention"
+                attn = ("sdpa" if "sdpa" in v else "varlen" if "varlen" in v else "triton" if "triton" in v
+                        else "flex_attention")
                 model.config._attn_implementation = attn
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"))

@@ -178,7 +178,7 @@ def check_stage_fallback() -> None:
     """A kernel whose tiles overflow shared memory at 3 stages runs with 2; the choice is kept."""
     from triton.runtime.errors import OutOfResources
 
-    from dflash_mp.model.triton_launch import launch
+    from dflash_mp.triton_launch import launch
 
     calls = []
 

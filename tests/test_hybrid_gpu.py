@@ -130,3 +130,29 @@ def test_flex_attention_through_the_registered_function_equals_sdpa(model):
     r = rel(got, want)[: pb.num_valid_tokens]
     print(f"flex (registered) vs sdpa: max {r.max():.2e}, mean {r.mean():.2e}")
     assert r.max() < 5e-2 and r.mean() < 3e-2
+
+
+def test_the_triton_kernel_equals_sdpa_on_the_full_attention_layer(model):
+    """`auto` runs Qwen3.5's full-attention layers (head_dim 256, gated output) on the Triton
+    packed-document kernel: its captures equal sdpa's with the dense mask, eager and compiled, and the
+    compiled layers have no graph break."""
+    from torch._dynamo.utils import counters
+
+    from dflash_mp.target.doc_attn import ATTN_NAME
+
+    pb = packed()
+    want = TargetWorker(model, LAYERS, CUDA).forward(pb).hidden
+    model.config._attn_implementation = "triton"
+    try:
+        eager = TargetWorker(model, LAYERS, CUDA)
+        assert model.config._attn_implementation == ATTN_NAME and eager.triton
+        breaks = sum(counters["graph_break"].values())
+        compiled = TargetWorker(model, LAYERS, CUDA, compile=True)
+        runs = {"eager": eager.forward(pb).hidden, "compiled": compiled.forward(pb).hidden}
+        assert sum(counters["graph_break"].values()) == breaks
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for name, got in runs.items():
+        r = rel(got, want)[: pb.num_valid_tokens]
+        print(f"triton ({name}) vs sdpa: max {r.max():.2e}, mean {r.mean():.2e}")
+        assert r.max() < 5e-2 and r.mean() < 3e-2

@@ -110,16 +110,17 @@ def test_block_diagonal_mask():
     ]
 
 
-def test_attention_is_chosen_per_architecture():
-    """auto: flex_attention on CUDA where transformers supports it for the model class, sdpa (exact
-    dense document mask) where it does not (Qwen3.5) and on CPU; flex_attention asked for on a class
-    without transformers' support loads with sdpa and runs the registered function; a bad name is
-    refused with the choices."""
+def test_attention_is_chosen_per_architecture(monkeypatch):
+    """auto without Triton (with it: test_doc_attn): flex_attention on CUDA where transformers supports
+    it for the model class, sdpa (exact dense document mask) where it does not (Qwen3.5) and on CPU;
+    flex_attention asked for on a class without transformers' support loads with sdpa and runs the
+    registered function; a bad name is refused with the choices."""
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     from dflash_mp.target.attention import choose_attention, load_attention
 
+    monkeypatch.setattr("dflash_mp.target.attention.triton_available", lambda device: False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert choose_attention("auto", cuda, Qwen3ForCausalLM) == "flex_attention"
     assert choose_attention("auto", cuda, Qwen3MoeForCausalLM) == "flex_attention"
@@ -128,7 +129,7 @@ def test_attention_is_chosen_per_architecture():
     assert choose_attention("flex_attention", cuda, Qwen3_5ForCausalLM) == "flex_attention"
     assert load_attention("flex_attention", Qwen3_5ForCausalLM) == "sdpa"
     assert load_attention("flex_attention", Qwen3ForCausalLM) == "flex_attention"
-    with pytest.raises(ValueError, match=r"target.attn_implementation='flash': use auto or one of sdpa"):
+    with pytest.raises(ValueError, match=r"target.attn_implementation='flash': use auto or one of triton, sdpa"):
         choose_attention("flash", cuda, Qwen3ForCausalLM)
 
 

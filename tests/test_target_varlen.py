@@ -120,13 +120,15 @@ def test_the_installed_kernel_is_read_from_its_signature():
 
 
 # -------------------------------------------------------------------------------------- choosing it
-def test_varlen_is_chosen_only_on_cuda_and_auto_is_unchanged(tmp_path):
+def test_varlen_is_chosen_only_on_cuda_and_auto_is_unchanged(tmp_path, monkeypatch):
     from transformers import Qwen3ForCausalLM
+
+    monkeypatch.setattr(attention, "triton_available", lambda device: False)
 
     with pytest.raises(ValueError, match=r"attn_implementation='varlen' .* runs on CUDA only.*use "
                                          r"target.attn_implementation=sdpa or auto"):
         choose_attention("varlen", CPU, Qwen3ForCausalLM)
-    with pytest.raises(ValueError, match=r"'flash': use auto or one of sdpa, flex_attention, varlen, eager"):
+    with pytest.raises(ValueError, match=r"'flash': use auto or one of triton, sdpa, flex_attention, varlen, eager"):
         choose_attention("flash", CUDA, Qwen3ForCausalLM)
     with pytest.raises(ValueError, match="runs in bfloat16 or float16, not torch.float32"):
         check_varlen(CUDA, torch.float32)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_launch import launch
+from ..triton_launch import launch
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key

@@ -16,9 +16,10 @@ module loads where only the CPU build of torch is installed.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .. import triton_launch
 
 BLOCK_V = 4096  # logits per tile: 8 KiB of bf16 per row and iteration
 STATS_WARPS = 4  # warps per row of the statistics pass (4: 0.81 ms for both passes of a 4096-row
@@ -28,13 +29,7 @@ GRAD_WARPS = 8  # warps per tile of the gradient pass
 
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_launch.available(device)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Attention of the target's packed rows: which implementation runs, and the packed-document masks it
-is fed (one per layer type; `varlen` takes the row's document bounds instead). Every choice keeps
-documents apart exactly; they differ only in speed."""
+is fed (one per layer type; `triton` takes each row's visible key ranges, `varlen` the row's document
+bounds instead). Every choice keeps documents apart exactly; they differ only in speed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import logging
 import torch
 
 from ..block_mask import build_block_mask
+from ..triton_launch import available as triton_available
+from .doc_attn import ATTN_NAME
 
 log = logging.getLogger(__name__)
 
-ATTN_CHOICES = ("sdpa", "flex_attention", "varlen", "eager")
+ATTN_CHOICES = ("triton", "sdpa", "flex_attention", "varlen", "eager")
 
 # The name under which `_flex_outside_graph` is registered with transformers' attention functions. No
 # "flash" in it: transformers takes any implementation whose name contains "flash" for flash attention
@@ -31,34 +33,46 @@ def supports_flex(model_cls: type) -> bool:
 
 
 def choose_attention(name: str, device: torch.device, model_cls: type) -> str:
-    """`target.attn_implementation` for one model class: `auto` is flex_attention on CUDA where
-    transformers supports it for the class, else sdpa with the exact dense document mask (the
-    attention of the targets without flex support is a few % of their FLOPs: Qwen3.5 runs full
-    attention in 1 layer of 4); sdpa on CPU. `flex_attention` asked for explicitly also runs on a
-    class without transformers' support, through the project's registered function; so does
-    `varlen` (FlashAttention-2's varlen kernel, CUDA only), on any class."""
+    """`target.attn_implementation` for one model class: `auto` is the Triton packed-document kernel
+    (doc_attn.py) on CUDA with Triton; TargetWorker.load falls back to `fallback_attention` where the
+    target's shapes do not suit it. sdpa on CPU. `flex_attention` asked for explicitly also runs on a
+    class without transformers' support, through the project's registered function; so do `varlen`
+    (FlashAttention-2's varlen kernel, CUDA only) and `triton`, on any class."""
     if name == "auto":
         if torch.device(device).type != "cuda":
             return "sdpa"
-        return "flex_attention" if supports_flex(model_cls) else "sdpa"
+        return "triton" if triton_available(torch.device(device)) else fallback_attention(model_cls)
     if name not in ATTN_CHOICES:
         raise ValueError(f"target.attn_implementation={name!r}: use auto or one of {', '.join(ATTN_CHOICES)}.")
     if name == "varlen":
         check_varlen(device)
+    if name == "triton" and not triton_available(torch.device(device)):
+        raise ValueError(f"target.attn_implementation=triton needs Triton on CUDA (this target runs on "
+                         f"{torch.device(device).type}): use target.attn_implementation=auto or sdpa.")
     return name
+
+
+def fallback_attention(model_cls: type) -> str:
+    """`auto` where the Triton kernel cannot run: flex_attention where transformers supports it for the
+    class, else sdpa with the exact dense document mask (the attention of the targets without flex
+    support is a few % of their FLOPs: Qwen3.5 runs full attention in 1 layer of 4)."""
+    return "flex_attention" if supports_flex(model_cls) else "sdpa"
 
 
 def load_attention(attn: str, model_cls: type) -> str:
     """The implementation to load the model with: a class that transformers will not load with
     flex_attention is loaded with sdpa, and TargetWorker switches it to the registered flex function;
-    `varlen` is always loaded with sdpa and switched to its registered function."""
-    if attn == "varlen":
+    `varlen` and `triton` are always loaded with sdpa and switched to their registered functions."""
+    if attn in ("varlen", "triton"):
         return "sdpa"
     return "sdpa" if attn == "flex_attention" and not supports_flex(model_cls) else attn
 
 
 def describe_attention(attn: str, model_cls: type, compiled: bool) -> str:
     """One line for the log and the resolved-choices table."""
+    if attn == "triton":
+        return (f"triton (the packed-document kernel, registered as {ATTN_NAME}"
+                f"{', inside the compiled layers' if compiled else ''})")
     if attn == "varlen":
         return (f"varlen (FlashAttention-2 over the row's documents, registered as {VARLEN_OUTSIDE_GRAPH}"
                 f"{', outside the compiled graph' if compiled else ''})")

@@ -15,8 +15,9 @@ class TargetConfig:
     layer_ids: list[int] | None = None  # captured layers; None = num_capture layers spread over 1..L-3
     num_capture: int = 5  # K, used when layer_ids is None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
-    # auto (flex_attention on CUDA, sdpa on CPU) | sdpa | flex_attention | varlen (FlashAttention-2's varlen
-    # kernel on the row's documents; CUDA, bf16/fp16, torch >= 2.10) | eager
+    # auto (the Triton packed-document kernel on CUDA where it has tiles for the head size, else flex_attention
+    # or sdpa; sdpa on CPU) | triton | sdpa | flex_attention | varlen (FlashAttention-2's varlen kernel on the
+    # row's documents; CUDA, bf16/fp16, torch >= 2.10) | eager
     attn_implementation: str = "auto"
     compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
     cache_dir: str = ""  # where builtin targets are built once; "" = $DFLASH_MP_CACHE or ~/.cache/dflash_mp

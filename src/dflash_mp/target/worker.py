@@ -16,9 +16,11 @@ from torch import nn
 
 from ..batch import HiddenBatch, PackedBatch
 from .linear_attn import Spans, describe as describe_linear, documents, install
+from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
 from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
-                        choose_attention, describe_attention, doc_causal_block_mask, load_attention,
-                        register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of, supports_flex)
+                        choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
+                        load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
+                        supports_flex)
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
 
 log = logging.getLogger(__name__)
@@ -66,19 +68,28 @@ class TargetWorker:
             raise ValueError(f"target {type(model).__name__}: its decoder has no {', '.join(missing)}; dflash_mp runs "
                              "decoders laid out as Llama/Qwen (embed_tokens, layers, rotary_emb, norm): use such a target.")
         config = model.config
-        self.hidden_size = config.get_text_config().hidden_size
+        text = config.get_text_config()
+        self.hidden_size = text.hidden_size
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.dtype = next(p.dtype for p in decoder.parameters() if p.is_floating_point())
         self.window = sliding_window_of(config)
         attn = config._attn_implementation
         self.flex = attn in ("flex_attention", FLEX_OUTSIDE_GRAPH)
         self.varlen = attn in ("varlen", VARLEN_OUTSIDE_GRAPH)
+        self.triton = attn in ("triton", DOC_ATTENTION)
+        if self.triton:
+            why = unsupported(self.head_dim, self.dtype)
+            if why:
+                raise ValueError(f"target.attn_implementation=triton: the kernel cannot run {type(model).__name__} "
+                                 f"({why}): use target.attn_implementation=auto, flex_attention or sdpa.")
+            config._attn_implementation = register_doc_attention()
         if self.flex and ((compile and not flex_in_graph) or not supports_flex(type(model))):
             config._attn_implementation = register_flex_outside_graph()
         if self.varlen:
             check_varlen(device, self.dtype, self.window)
             config._attn_implementation = register_varlen_outside_graph()
-        self.attention = describe_attention("flex_attention" if self.flex else "varlen" if self.varlen else attn,
-                                            type(model), compile)
+        named = "flex_attention" if self.flex else "varlen" if self.varlen else "triton" if self.triton else attn
+        self.attention = describe_attention(named, type(model), compile)
         types = list(getattr(config, "layer_types", None) or [])
         self.layer_types = [types[i] if i < len(types) else "full_attention" for i in range(len(decoder.layers))]
         odd = sorted(set(self.layer_types[first:end]) - set(LAYER_TYPES))
@@ -122,13 +133,15 @@ class TargetWorker:
             raise ValueError(f"stage layers [{first}, {end}) are outside the target's layers 0..{last}")
         model_cls = causal_lm_class(path)
         attn = choose_attention(attn_implementation, device, model_cls)
+        if attn == "triton" and attn_implementation == "auto":
+            attn = cls._triton_or_fallback(path, model_cls, dtype)
         seed = random_init_seed(path)
         load_as = load_attention(attn, model_cls)
         if seed is None:
             model = load_stage(path, first, end, keep_norm=end == last + 1, dtype=dtype, attn=load_as)
         else:
             model = random_target(path, seed, device, dtype, load_as, first, end, keep_norm=end == last + 1)
-        if attn in ("flex_attention", "varlen"):
+        if attn in ("flex_attention", "varlen", "triton"):
             model.config._attn_implementation = attn  # TargetWorker registers its function where needed
         if getattr(model.config, "output_router_logits", False):
             model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
@@ -145,6 +158,19 @@ class TargetWorker:
             log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
                         type(model).__name__)
         return worker
+
+    @staticmethod
+    def _triton_or_fallback(path: str, model_cls: type, dtype: torch.dtype) -> str:
+        """`auto` on CUDA: the Triton kernel where the target's shapes suit it, else the fallback, logged."""
+        from .spec import TargetSpec, load_target_config
+
+        head_dim = TargetSpec.from_config(load_target_config(path)).head_dim
+        why = unsupported(head_dim, dtype)
+        if why is None:
+            return "triton"
+        fallback = fallback_attention(model_cls)
+        log.info("target attention: the Triton kernel cannot run this target (%s); using %s", why, fallback)
+        return fallback
 
     # ------------------------------------------------------------------------------------ forward
     def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False
@@ -183,7 +209,11 @@ class TargetWorker:
     def masks(self, docs: torch.Tensor) -> dict:
         """The packed-document mask per layer type (linear-attention layers, and all layers under
         varlen attention, take none: they get the row's document spans instead)."""
-        build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
+        if self.triton:
+            def build(d, window=None):
+                return doc_rows(d, self.head_dim, window)
+        else:
+            build = doc_causal_block_mask if self.flex else block_diagonal_causal_mask
         present = set(self.layer_types[slice(*self.stage_layers)])
         masks = {t: None for t in LAYER_TYPES}
         if self.varlen:

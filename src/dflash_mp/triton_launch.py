@@ -1,13 +1,27 @@
-"""Launching the project's Triton kernels with tiles measured on an H200 on any GPU: a launch whose
-tiles need more shared memory than the GPU has is retried with one pipeline stage fewer."""
+"""What the project's Triton kernels (drafter and target) share: whether they can run on a device, and
+a launch that fits tiles measured on an H200 to any GPU (retried with one pipeline stage fewer while
+the GPU's shared memory is too small). Triton itself is imported on first use: the CPU build of torch
+comes without it."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
+
+def available(device: torch.device) -> bool:
+    """Whether Triton kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 _stages: dict[tuple, int] = {}  # (kernel, its constexprs, device) -> the pipeline stages that fit
 

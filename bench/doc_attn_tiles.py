@@ -1,0 +1,93 @@
+"""One target layer's packed-document attention at Qwen3-8B shapes: flex_attention (as transformers runs
+it) against the Triton kernel (target.attn_implementation=triton) per tile choice, in one process.
+
+    python bench/doc_attn_tiles.py [--variants flex,triton,triton-m128n128w8s2,...] [--seq-len 3072]
+
+q [3072, 32, 128], k/v [3072, 8, 128], bf16, the documents of target_forward.py's row (same seed).
+`triton-mMnNwWsS`: BLOCK_M=M query rows, BLOCK_N=N keys, W warps, S stages. TFLOP/s counts the visible
+(query, key) pairs only: 4 * D * pairs * heads. Every variant's output is compared with the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import torch
+
+from common import QWEN3_8B_TARGET, median, synthetic_batch, timed, write_json
+from dflash_mp.flops import causal_pairs_packed
+from dflash_mp.target import doc_attn
+from dflash_mp.target.attention import doc_causal_block_mask
+
+DEFAULT = ("flex,triton,triton-m128n128w8s2,triton-m128n64w4s3,triton-m128n64w8s2,triton-m128n128w8s3,"
+           "triton-m64n64w4s3,triton-m64n128w4s2")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=DEFAULT)
+    ap.add_argument("--seq-len", type=int, default=3072)
+    ap.add_argument("--steps", type=int, default=20)
+    a = ap.parse_args()
+    device = torch.device("cuda")
+    c = QWEN3_8B_TARGET
+    T, hq, hkv, d = a.seq_len, c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    docs = synthetic_batch(T, 8, 1000, "cpu", torch.bfloat16, seed=0).doc_ids
+    lens = torch.bincount(docs).tolist()
+    flop = 4 * d * causal_pairs_packed(lens) * hq
+    docs = docs.to(device)
+    g = torch.Generator(device).manual_seed(0)
+    # transformers' layout: [1, H, T, D] views of [1, T, H, D] projections.
+    q, k, v = (torch.randn(1, T, h, d, generator=g, device=device, dtype=torch.bfloat16).transpose(1, 2)
+               for h in (hq, hkv, hkv))
+    default_tiles = doc_attn.TILES[d]
+    res = {"seq_len": T, "doc_lengths": lens, "tflop": flop / 1e12, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(), "default_tiles": default_tiles, "variants": []}
+    first = None
+    for name in a.variants.split(","):
+        try:
+            if name == "flex":
+                from torch.nn.attention.flex_attention import flex_attention
+
+                mask = doc_causal_block_mask(docs)
+                flex = torch.compile(flex_attention, dynamic=False)
+                fn = lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)  # noqa: E731
+            else:
+                m = re.fullmatch(r"triton(?:-m(\d+)n(\d+)w(\d+)s(\d+))?", name)
+                if m is None:
+                    raise ValueError(f"unknown variant {name!r}")
+                doc_attn.TILES[d] = tuple(int(x) for x in m.groups()) if m.group(1) else default_tiles
+                rows = doc_attn.doc_rows(docs, d)
+                fn = lambda: doc_attn.doc_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # noqa: E731
+                                                    v[0].transpose(0, 1), rows)[None]
+            timed(fn, 3, device)
+            ms = median(timed(fn, a.steps, device))
+            out = fn().float()
+            r = {"variant": name, "ms": ms, "tflop_per_s": flop / (ms / 1000) / 1e12}
+            if name.startswith("triton"):
+                r["tiles"] = doc_attn.TILES[d]
+            if first is None:
+                first = (name, out)
+            else:
+                r[f"max_rel_diff_vs_{first[0]}"] = float((out - first[1]).abs().max() / first[1].abs().max())
+        except Exception as e:
+            r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1500]}
+        finally:
+            doc_attn.TILES[d] = default_tiles
+        res["variants"].append(r)
+        print(r, flush=True)
+        write_json(res, "doc_attn_tiles.json")
+    print(f"\ntarget attention, one layer, T={T}, docs {lens}, {flop / 1e12:.3f} TFLOP on {res['device']}")
+    print(f"{'variant':24} {'ms':>8} {'TFLOP/s':>8} {'max rel diff':>12}")
+    for r in res["variants"]:
+        if "error" in r:
+            print(f"{r['variant']:24} ERROR {r['error'][:120]}")
+        else:
+            diff = next((f"{x:12.2e}" for k, x in r.items() if k.startswith("max_rel")), f"{'':12}")
+            print(f"{r['variant']:24} {r['ms']:8.3f} {r['tflop_per_s']:8.1f} {diff}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

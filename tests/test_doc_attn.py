@@ -1,0 +1,223 @@
+"""The target's Triton packed-document attention (target.attn_implementation=triton, doc_attn.py)
+against the dense document mask it replaces.
+
+The visible ranges (each row's first key, the tile order) are checked on CPU against the dense mask.
+The kernel is checked against dense sdpa on CPU in Triton's interpreter (tests/triton_interp.py) with
+small tiles, so one row crosses masked, unmasked and diagonal tiles; and a tiny Qwen3 target run
+through it equals the sdpa worker, eager and compiled as one graph per layer. On CUDA, in bf16 at
+real tiles (the `gpu` tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import triton_interp
+from dflash_mp.compile_stats import counts
+from dflash_mp.target import TargetWorker, attention
+from dflash_mp.target.attention import block_diagonal_causal_mask, choose_attention, describe_attention, load_attention
+from dflash_mp.target.doc_attn import ATTN_NAME, DocRows, doc_rows, unsupported
+from test_target import packed
+from test_target_varlen import tiny_qwen3, worker_with
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+# (T, Hq, Hkv, D, window, document lengths; the rest of T is padding)
+CASES = [
+    (200, 4, 2, 64, None, [37, 90, 50]),  # documents starting inside tiles, padding at the end
+    (200, 4, 2, 64, 23, [37, 90, 50]),  # a sliding window shorter than the tiles
+    (160, 2, 2, 64, None, [160]),  # one document, T a multiple of the tiles: every middle tile unmasked
+    (150, 6, 2, 64, 70, [1, 64, 5, 80]),  # a 1-token document, 3 query heads per KV head, T not a tile multiple
+]
+SMALL_TILES = {64: (32, 16, 4, 1)}  # 32-row query tiles over 16-key tiles: many tiles of each kind
+
+
+def dense(docs: torch.Tensor, window=None) -> torch.Tensor:
+    return block_diagonal_causal_mask(docs, window)[0, 0]
+
+
+def doc_ids(T, lens) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [torch.full((T - sum(lens),), -1)])
+
+
+# ----------------------------------------------------------------------------------- the ranges (CPU)
+@pytest.mark.parametrize("T,Hq,Hkv,D,window,lens", CASES)
+def test_each_row_sees_exactly_the_keys_of_the_dense_mask(T, Hq, Hkv, D, window, lens):
+    """Row i sees [low_i, i] in the dense mask; low ascends (the kernel's unmasked tiles rely on it);
+    the tile order puts the tiles with the most keys first and lists each tile once."""
+    docs = doc_ids(T, lens)
+    rows = doc_rows(docs, D, window)
+    keys = torch.arange(T)
+    ranges = (keys[None, :] >= rows.low[:, None].long()) & (keys[None, :] <= keys[:, None])
+    assert torch.equal(ranges, dense(docs, window))
+    assert bool((rows.low[1:] >= rows.low[:-1]).all())
+    bm = rows.block_m
+    n_keys = [min(m0 + bm, T) - int(rows.low[m0]) for m0 in range(0, T, bm)]
+    assert sorted(rows.order.tolist()) == list(range(len(n_keys)))
+    assert [n_keys[i] for i in rows.order.tolist()] == sorted(n_keys, reverse=True)
+
+
+def test_the_choice_of_the_kernel():
+    """auto: the kernel on CUDA with Triton, else flex_attention where transformers supports it, sdpa
+    where it does not and on CPU; asked for without Triton: refused, naming the fix. Shapes without
+    tiles are named."""
+    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    real = attention.triton_available
+    try:
+        attention.triton_available = lambda device: True
+        assert choose_attention("auto", CUDA, Qwen3ForCausalLM) == "triton"
+        assert choose_attention("auto", CUDA, Qwen3_5ForCausalLM) == "triton"
+        assert choose_attention("auto", CPU, Qwen3ForCausalLM) == "sdpa"
+        attention.triton_available = lambda device: False
+        assert choose_attention("auto", CUDA, Qwen3ForCausalLM) == "flex_attention"
+        assert choose_attention("auto", CUDA, Qwen3_5ForCausalLM) == "sdpa"
+        with pytest.raises(ValueError, match="attn_implementation=triton needs Triton on CUDA .* use target"):
+            choose_attention("triton", CPU, Qwen3ForCausalLM)
+    finally:
+        attention.triton_available = real
+    assert load_attention("triton", Qwen3ForCausalLM) == "sdpa"
+    assert ATTN_NAME in describe_attention("triton", Qwen3ForCausalLM, True)
+    assert "flash" not in ATTN_NAME  # transformers reads any "...flash..." name as flash attention
+    assert unsupported(128, torch.bfloat16) is None and unsupported(256, torch.bfloat16) is None
+    assert "head_dim=80" in unsupported(80, torch.bfloat16)
+
+
+def test_auto_falls_back_where_the_kernel_has_no_tiles(tmp_path, monkeypatch, caplog):
+    """A target whose head_dim the kernel has no tiles for runs `auto` on flex_attention, logged."""
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_mp.target import worker as worker_mod
+
+    cfg = {"num_attention_heads": 4, "hidden_size": 80 * 4, "num_hidden_layers": 2, "vocab_size": 96,
+           "intermediate_size": 64}
+    monkeypatch.setattr("dflash_mp.target.spec.load_target_config", lambda path: cfg)
+    with caplog.at_level("INFO"):
+        assert worker_mod.TargetWorker._triton_or_fallback("x", Qwen3ForCausalLM, torch.bfloat16) == "flex_attention"
+    assert "head_dim=80" in caplog.text
+    cfg["hidden_size"] = 128 * 4
+    assert worker_mod.TargetWorker._triton_or_fallback("x", Qwen3ForCausalLM, torch.bfloat16) == "triton"
+
+
+def test_the_kernel_asked_for_on_cpu_is_refused_at_load(tmp_path):
+    from dflash_mp.builtin import resolve_target_path
+
+    path = resolve_target_path("builtin:tiny-qwen3", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="needs Triton on CUDA"):
+        TargetWorker.load(path, [1, 2], CPU, torch.float32, "triton", packing_check=False)
+
+
+# ---------------------------------------------------------------------- the kernel (interpreter, CPU)
+def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False, q_layout="thd"):
+    """The kernel's output against fp32 dense sdpa on the document mask: relative L2 error.
+    `q_layout="htd"`: q, k, v are [H, T, D] tensors handed over as [T, H, D] views (transformers' layout)."""
+    from dflash_mp.target.doc_attn import doc_attention
+
+    docs = doc_ids(T, lens).to(device)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    if q_layout == "htd":
+        q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+    rows = doc_rows(docs, D, window)
+    fn = torch.compile(doc_attention, fullgraph=True) if compiled else doc_attention
+    out = fn(q, k, v, rows)
+    assert out.shape == q.shape and out.is_contiguous()
+    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=dense(docs, window), enable_gqa=True)[0]
+    ref = ref.transpose(0, 1)
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def check_kernel() -> None:
+    from dflash_mp.target import doc_attn
+
+    doc_attn.TILES.update(SMALL_TILES)
+    for case in CASES:
+        for layout in ("thd", "htd"):
+            err = compare(*case, q_layout=layout)
+            assert err < 1e-5, (case, layout, err)
+    doc_attn.TILES[64] = (32, 32, 4, 1)  # key tiles as large as the query tiles
+    err = compare(*CASES[0])
+    assert err < 1e-5, err
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_the_kernel_equals_dense_attention_in_the_triton_interpreter():
+    run = triton_interp.run("test_doc_attn", "check_kernel()")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def check_worker() -> None:
+    """A tiny Qwen3 (head_dim 64, sliding-window layers) through the kernel equals the sdpa worker on
+    rows of other document counts; compiled, each layer is one graph (the op inside it, no break) and
+    a row of another document count compiles nothing new; the packing check passes."""
+    from dflash_mp.target import doc_attn
+
+    doc_attn.TILES.update(SMALL_TILES)
+    model = tiny_qwen3(CPU, torch.float32, window=20, head_dim=64)
+    rows = [packed([37, 50, 30], 128, 96), packed([3, 60, 4, 26, 2], 128, 96, seed=1), packed([128], 128, 96, seed=2)]
+    want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
+    eager = worker_with(model, "triton", CPU)
+    assert eager.triton and model.config._attn_implementation == ATTN_NAME
+    assert isinstance(eager.masks(rows[0].doc_ids)["sliding_attention"], DocRows)
+    for pb, w in zip(rows, want):
+        torch.testing.assert_close(eager.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
+    eager.check_packing(lengths=(64, 96))
+    from torch._dynamo.utils import counters
+
+    compiled = worker_with(model, "triton", CPU, compile=True)
+    torch.testing.assert_close(compiled.forward(rows[0]).hidden, want[0], rtol=1e-4, atol=1e-5)
+    graphs = counts()["graphs"]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert graphs <= 2, graphs  # the layers share their graph (at most one per kind: full, sliding)
+    for pb, w in zip(rows[1:], want[1:]):
+        torch.testing.assert_close(compiled.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
+    assert counts()["graphs"] == graphs
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_a_target_through_the_kernel_equals_the_sdpa_one_in_the_triton_interpreter():
+    run = triton_interp.run("test_doc_attn", "check_worker()")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------- the GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("window", [None, 300])
+def test_the_kernel_equals_dense_attention_on_cuda(D, window):
+    """bf16 at the real tiles, eager and compiled, GQA of 4 and T not a tile multiple."""
+    for compiled in (False, True):
+        err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16, compiled=compiled,
+                      q_layout="htd")
+        assert err < 1e-2, (compiled, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_target_through_the_kernel_equals_flex_on_cuda():
+    """A tiny Qwen3 (bf16, head_dim 128, sliding-window layers) compiled as the job runs it: captures
+    within bf16 rounding of flex_attention's; no graph break; a row of another document count
+    compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
+    rows = [packed([300, 520, 130], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1)]
+    flex = [worker_with(model, "flex_attention", CUDA).forward(pb).hidden for pb in rows]
+    worker = worker_with(model, "triton", CUDA, compile=True)
+    breaks = sum(counters["graph_break"].values())
+    graphs = counts()["graphs"]
+    worker.forward(rows[0])
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    compiled_now = counts()["graphs"]
+    assert compiled_now <= graphs + 2  # the layers share their graph (at most one per kind: full, sliding)
+    for pb, f in zip(rows, flex):
+        got, n = worker.forward(pb).hidden.float(), pb.num_valid_tokens
+        rel = (got[:n] - f[:n].float()).norm(dim=-1) / f[:n].float().norm(dim=-1)
+        print(f"triton vs flex: max {float(rel.max()):.2e}, mean {float(rel.mean()):.2e} (relative per token, bf16)")
+        assert float(rel.max()) < 2e-2, float(rel.max())
+    assert counts()["graphs"] == compiled_now
