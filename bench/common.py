@@ -102,10 +102,12 @@ KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler re
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("flex_attention", ("flex", "triton_tem")),
     ("block_attention", ("block_attn",)),  # the Triton block kernels (drafter.attention=triton)
-    ("attention", ("fmha", "flash", "attention")),
+    ("doc_attention", ("doc_attn_fwd",)),  # the target's Triton kernel (target.attn_implementation=triton)
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),
+    # Before "attention": Inductor names its fused kernels after the ops around them ("..._doc_attention_...").
     ("fused_triton", ("triton_",)),
+    ("attention", ("fmha", "flash", "attention")),
     ("linear_attention", ("chunk", "delta", "conv1d", "solve_tril", "l2norm", "recompute_w_u", "kkt", "cumsum")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduce", ("reduce", "norm")),

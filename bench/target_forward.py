@@ -10,13 +10,15 @@ what stopping after the last captured layer saves against a full forward with ou
 norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it out (dflash_mp.target).
 `trunc-varlen[-compiled]` run FlashAttention-2's varlen kernel on the row's documents (CUDA only),
 always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-document kernel
-(target.attn_implementation=triton, the GPU default), inside the compiled layers.
+(target.attn_implementation=triton, the GPU default), inside the compiled layers; a suffix
+`@mMnNwWsS` runs it with BLOCK_M=M, BLOCK_N=N, W warps, S stages instead of `doc_attn.TILES`.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
@@ -25,7 +27,7 @@ from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, tim
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetSpec, TargetWorker, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -65,8 +67,12 @@ def main() -> None:
     variants = a.variants.split(",")
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
+    default_tiles = dict(doc_attn.TILES)
     for v in variants:
         try:
+            tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
+            if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
+                doc_attn.TILES[c["head_dim"]] = tuple(int(x) for x in tiles.groups())
             if v.startswith("full"):
                 assert not truncated, "full-* variants must come before trunc-* ones"
                 model.config._attn_implementation = "flex_attention"
@@ -107,6 +113,9 @@ def main() -> None:
                 r["profile"] = kernel_profile(fn, device, top=15)
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
+        finally:
+            doc_attn.TILES.clear()
+            doc_attn.TILES.update(default_tiles)
         res["variants"].append(r)
         print(r, flush=True)
         write_json(res, "target_qwen3_8b.json" if not a.tiny else "target_tiny.json")

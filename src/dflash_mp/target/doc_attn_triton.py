@@ -21,16 +21,16 @@ def _keys(acc, m, l, q, K, V, k_base, v_base, sk_t, sv_t, rows, low, n_lo, n_hi,
         else:
             kt = tl.load(K + k_base + n[:, None] * sk_t + d[None, :])
             vt = tl.load(V + v_base + n[:, None] * sv_t + d[None, :])
-        s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # unscaled: the scale rides in one FMA below
         if MASKED:
             vis = (n[None, :] >= low[:, None]) & (n[None, :] <= rows[:, None])
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         else:
-            m_new = tl.maximum(m, tl.max(s, 1))
+            m_new = tl.maximum(m, tl.max(s, 1) * scale2)
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
+        p = tl.exp2(s * scale2 - m_use[:, None])
         alpha = tl.exp2(m - m_use)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
