@@ -4,7 +4,7 @@ it) against the Triton kernel (target.attn_implementation=triton) per tile choic
     python bench/doc_attn_tiles.py [--variants flex,triton,triton-m128n128w8s2,...] [--seq-len 3072]
 
 q [3072, 32, 128], k/v [3072, 8, 128], bf16, the documents of target_forward.py's row (same seed).
-`triton-mMnNwWsS`: BLOCK_M=M query rows, BLOCK_N=N keys, W warps, S stages. ms is GPU kernel time per
+`triton-mMnNwWsS`: BLOCK_M=M query rows, BLOCK_N=N keys (N divides M), W warps, S stages. ms is GPU kernel time per
 call (profiler); wall_ms, the host's time per call, is launch-bound at this size. TFLOP/s counts the
 visible (query, key) pairs only: 4 * D * pairs * heads. Every variant's output is compared with the first's.
 """
@@ -22,8 +22,8 @@ from dflash_mp.flops import causal_pairs_packed
 from dflash_mp.target import doc_attn
 from dflash_mp.target.attention import doc_causal_block_mask
 
-DEFAULT = ("flex,triton,triton-m128n128w8s2,triton-m128n64w4s3,triton-m128n64w8s2,triton-m128n128w8s3,"
-           "triton-m64n64w4s3,triton-m64n128w4s2,triton-m64n64w4s2,triton-m128n32w8s3")
+DEFAULT = ("flex,triton,triton-m64n64w4s3,triton-m64n64w8s2,triton-m128n64w8s3,triton-m128n128w8s2,"
+           "triton-m128n64w4s3,triton-m32n32w4s2")
 
 
 def main() -> None:

@@ -110,6 +110,18 @@ def test_the_kernel_asked_for_on_cpu_is_refused_at_load(tmp_path):
         TargetWorker.load(path, [1, 2], CPU, torch.float32, "triton", packing_check=False)
 
 
+def test_key_tiles_that_do_not_divide_the_query_tiles_are_refused(monkeypatch):
+    """The kernel's diagonal starts at a key tile: 128-key tiles over 64-row query tiles would read
+    keys past the diagonal unmasked."""
+    from dflash_mp.target import doc_attn
+
+    monkeypatch.setitem(doc_attn.TILES, 64, (64, 128, 4, 2))
+    docs = doc_ids(100, [40, 60])
+    q = torch.zeros(100, 2, 64)
+    with pytest.raises(ValueError, match=r"BLOCK_N=128 must divide BLOCK_M=64 \(doc_attn.TILES\[64\]\)"):
+        doc_attn.doc_attention(q, q, q, doc_rows(docs, 64))
+
+
 # ---------------------------------------------------------------------- the kernel (interpreter, CPU)
 def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False, q_layout="thd"):
     """The kernel's output against fp32 dense sdpa on the document mask: relative L2 error.

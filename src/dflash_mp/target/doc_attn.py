@@ -26,8 +26,12 @@ import torch
 
 from ..triton_launch import launch
 
-# (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M.
-TILES = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
+# (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
+# diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
+# GPU time of one layer): 64 rows over 64 keys, 4 warps, 2 or 3 stages 0.121 ms; 128 over 64, 8 warps
+# 0.135-0.137; 128 over 128, 8 warps 0.146-0.148; 128 over 64, 4 warps 0.280; flex_attention 0.173.
+# 64 and 256 follow from it, unmeasured.
+TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 64, 4, 2)}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
 
 
@@ -78,16 +82,18 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: torch.Tensor, order: torch.Tensor,
                      scale: float, block_m: int) -> torch.Tensor:
     """`[T, Hq, D]`: row i of q attends to k/v rows [low_i, i] (GQA: Hq a multiple of k's heads)."""
+    T, hq, d = q.shape
+    _, block_n, warps, stages = TILES[d]
+    if block_m % block_n:
+        raise ValueError(f"doc_attention tiles: BLOCK_N={block_n} must divide BLOCK_M={block_m} (doc_attn.TILES[{d}])")
     from .doc_attn_triton import doc_attn_fwd
 
     q, k, v = (_last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
-    T, hq, d = q.shape
-    _, block_n, warps, stages = TILES[d]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch(doc_attn_fwd, (hq, order.shape[0]),
+    launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
            (q, k, v, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),
-           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=min(block_n, block_m), PREC=_prec(q)),
+           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_prec(q)),
            warps, stages, q.device)
     return out
 
