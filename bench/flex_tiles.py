@@ -69,6 +69,7 @@ TRITON_VARIANTS = {
     "triton-s3": dict(FIRST, dq_stages=3, dkv_stages=3),
     "triton-dqw8": {"dq_warps": 8},
     "triton-dkvw4": {"dkv_warps": 4},
+    "triton-n2x64": {"BLOCK_N2": 64, "dkv_warps": 4},  # dK/dV over 64-row tiles: fewer registers per program
     "triton-fwd128": {"BLOCK_N": 128, "fwd_warps": 8},
     "triton-fwds4": {"fwd_stages": 4},
 }
