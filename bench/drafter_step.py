@@ -3,6 +3,8 @@
 sampling, chunked fused CE, loss masks, AdamW, grad clipping).
 
     python bench/drafter_step.py --preset qwen3_8b --modes eager,default,reduce-overhead
+    # the update reading `.grad` (one GPU's default) against the copy into the flat buffer:
+    python bench/drafter_step.py --preset qwen3_8b --scope layers --modes default+ce=triton,default+ce=triton+flatgrads
 
 MFU = counted model FLOPs (dflash_mp.flops; the frozen LM head counts forward + input gradient)
 / step time / 790 TFLOP/s (measured bf16 matmul ceiling of one H200). The step time is that of
@@ -35,18 +37,20 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     runs eager); `+loss` is `+ce=inductor` (the name of earlier runs);
     `+amp` train.precision=amp (fp32 weights under autocast; the default is bf16 working weights);
     `+tiles=NAME` the flex BlockMask size and kernel options of bench/flex_tiles.py's variant NAME;
-    `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step (the
-    default writes each step's gradients into it: FlatAdamW.collect); `+serial` train.optimizer_overlap
+    `+addgrads` backward adds into `.grad` views of the flat buffer, zeroed after each step;
+    `+flatgrads` each step's gradients are copied from `.grad` into the flat buffer
+    (FlatAdamW.collect), as with CUDA graphs or data parallelism (the default, one GPU without CUDA
+    graphs: the update reads `.grad` itself, no copy, no buffer); `+serial` train.optimizer_overlap
     =false (the update runs after backward on the compute stream, not per layer on a side stream);
     `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "serial", "attn") or (
+        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "flatgrads", "serial", "attn") or (
                 key in ("tiles", "ce", "attn")) != bool(val):
-            raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +serial or "
-                             "+tiles=NAME")
+            raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
+                             "+serial or +tiles=NAME")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -80,7 +84,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags)
-    return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags)
+    return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
+                          direct_grads="flatgrads" not in flags)
 
 
 def flops_per_step(p: dict, stats: dict, steps: int) -> float:
@@ -144,6 +149,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "fwd_bwd_ms": median(fb), "optimizer_ms": median(op),
         "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9 if serial else None,
         "optimizer_overlap": not serial,
+        "direct_grads": tr.opt.direct,  # the update read `.grad` (no flat gradient buffer)
         "profile": prof,
     }
     del step, back_to_back, tr
@@ -184,7 +190,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3_8b", choices=sorted(DRAFTERS))
     ap.add_argument("--modes", default="eager,default,reduce-overhead",
                     help="train.compile values with parse_mode's suffixes: +ce=KERNEL, +attn=BACKEND, +loss, +amp, "
-                         "+addgrads, +serial, +tiles=NAME")
+                         "+addgrads, +flatgrads (gradients copied into the flat buffer: FlatAdamW.collect), "
+                         "+serial, +tiles=NAME")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--loss-steps", type=int, default=0, help="compare eager's losses with --loss-mode's")

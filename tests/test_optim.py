@@ -18,14 +18,16 @@ ARGS = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num
             vocab_size=128, target_layer_ids=[1, 2], block_size=8, mask_token_id=127)
 
 
-def _trainer(grad_clip: float = 1.0, precision: str = "fp32", group=None) -> DrafterTrainer:
-    args = DrafterArgs(**ARGS)
+def _trainer(grad_clip: float = 1.0, precision: str = "fp32", group=None, direct: bool = True, layers: int = 1,
+             overlap: bool = True, write_grads: bool = True) -> DrafterTrainer:
+    args = DrafterArgs(**{**ARGS, "num_layers": layers})
     torch.manual_seed(0)
     obj = DFlashObjective(DFlashDrafter(args), args, torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02,
-                          DrafterConfig(block_size=8, num_anchors=8, max_anchors_per_doc=4, loss_chunk_size=16))
+                          DrafterConfig(num_layers=layers, block_size=8, num_anchors=8, max_anchors_per_doc=4,
+                                        loss_chunk_size=16))
     cfg = TrainConfig(compile="eager", warmup_ratio=0.0, lr=1e-2, grad_clip=grad_clip, weight_decay=0.1,
-                      precision=precision)
-    return DrafterTrainer(obj, cfg, 10, group, torch.device("cpu"))
+                      precision=precision, optimizer_overlap=overlap)
+    return DrafterTrainer(obj, cfg, 10, group, torch.device("cpu"), write_grads=write_grads, direct_grads=direct)
 
 
 def _batch(seed: int = 0):
@@ -37,17 +39,22 @@ def _inside(t: torch.Tensor, flat: torch.Tensor) -> bool:
     return lo <= t.data_ptr() < hi
 
 
-@pytest.mark.parametrize("write_grads", [True, False])
-def test_gradients_land_in_one_buffer_that_steps_reuse(write_grads):
-    tr = _trainer()
-    if not write_grads:
-        tr = DrafterTrainer(tr.objective, tr.cfg, 10, None, torch.device("cpu"), write_grads=False)
+def _scheme(name: str, **kw) -> DrafterTrainer:
+    """direct: the update reads `.grad`; flat: `.grad` copied into the buffer; add: `.grad` views of it."""
+    tr = _trainer(direct=name == "direct", write_grads=name != "add", **kw)
+    assert tr.opt.direct == (name == "direct")
+    return tr
+
+
+@pytest.mark.parametrize("scheme", ["flat", "add"])
+def test_gradients_land_in_one_buffer_that_steps_reuse(scheme):
+    tr = _scheme(scheme)
     flat = tr.opt.grad
     assert all(_inside(p, tr.opt.master) for p in tr.params)  # fp32: the working weights are the master
     for step in range(2):
         tr.set_lr()
         tr.forward_backward(_batch(step))
-        if write_grads:  # written into the buffer, the .grad tensors dropped
+        if scheme == "flat":  # written into the buffer, the .grad tensors dropped
             assert all(p.grad is None for p in tr.params)
         else:  # backward added into views of the buffer
             assert all(_inside(p.grad, flat) for p in tr.params)
@@ -58,37 +65,190 @@ def test_gradients_land_in_one_buffer_that_steps_reuse(write_grads):
         assert flat.data_ptr() == tr.opt.grad.data_ptr()
 
 
-def test_written_and_added_gradients_give_the_same_steps():
-    runs = []
-    for write in (True, False):
-        tr = _trainer()
-        tr = DrafterTrainer(tr.objective, tr.cfg, 10, None, torch.device("cpu"), write_grads=write)
+def test_one_replica_updates_from_grad_without_a_gradient_buffer():
+    """The default on one replica: backward's `.grad` tensors are what the update reads, then they
+    are dropped so the next backward writes fresh ones; no flat gradient buffer exists."""
+    tr = _trainer()
+    assert tr.opt.direct and tr.opt.grad is None and tr.opt.grad_views == []
+    flat = _scheme("flat").opt
+    assert tr.opt.num_bytes_per_step == flat.num_bytes_per_step  # the same bytes, read from elsewhere
+    for step in range(2):
+        tr.set_lr()
+        tr.forward_backward(_batch(step))
+        grads = [p.grad for p in tr.params]
+        assert all(g is not None and not _inside(g, tr.opt.master) for g in grads)
+        assert all(a is b for a, b in zip(tr.opt.gradients(), grads))
+        before = tr.opt.master.clone()
+        tr.optimizer_step()
+        assert not torch.equal(before, tr.opt.master)
+        assert all(p.grad is None for p in tr.params)
+        assert tr.opt.grad is None
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_written_and_added_gradients_give_the_same_steps(precision):
+    """Two backwards per step (gradient accumulation): autograd's sums into `.grad` (direct), the
+    copy then add into the buffer (flat) and autograd's adds into its views (add) are the same sums,
+    and give the same steps bit for bit (clipping off: the same divisor)."""
+    runs = {}
+    for scheme in ("direct", "flat", "add"):
+        tr = _scheme(scheme, grad_clip=0.0, precision=precision)
         torch.manual_seed(3)
+        out = []
         for step in range(3):
             tr.set_lr()
             for micro in range(2):  # accumulation: the second backward adds to the first
                 tr.forward_backward(_batch(2 * step + micro), grad_scale=0.5)
-            runs.append(tr.opt.grad.clone())
+            out.append(torch.cat([g.flatten() for g in tr.opt.gradients()]))
             tr.optimizer_step()
-        runs.append(tr.opt.master.clone())
-    half = len(runs) // 2
-    for a, b in zip(runs[:half], runs[half:]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        out += [tr.opt.master.clone(), tr.opt.exp_avg.clone(), tr.opt.exp_avg_sq.clone(), tr.opt.work.clone()]
+        runs[scheme] = out
+    for other in ("flat", "add"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["direct"], runs[other])), other
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [0.0, 1e-2])
+@pytest.mark.parametrize("segments", [False, True])
+def test_direct_and_flat_gradients_give_the_same_steps(precision, clip, segments):
+    """Several steps, in one segment or one per layer: the same weights and moments, bit for bit
+    without clipping. With it the norm is summed per tensor, then over them: the first step agrees
+    to fp32 rounding; later ones compute gradients at weights that differ by that rounding, which
+    Adam's normalisation lifts for near-zero gradients, so they are not compared
+    (test_a_weight_backward_did_not_reach_has_a_zero_gradient compares several clipped steps on
+    the same gradients)."""
+    runs = {}
+    for scheme in ("direct", "flat"):
+        tr = _scheme(scheme, grad_clip=clip, precision=precision, layers=2, overlap=segments)
+        assert len(tr.opt._segments) == (3 if segments else 1)
+        torch.manual_seed(3)
+        out = []
+        for step in range(4):
+            tr.train_step(_batch(step))
+            out.append(([tr.opt.master.clone(), tr.opt.exp_avg.clone(), tr.opt.exp_avg_sq.clone(),
+                         tr.opt.work.clone(), tr.opt.step.clone()], tr.stats.pop()["gnorm_sum"]))
+        runs[scheme] = out
+    for step, ((got, gnorm), (want, want_gnorm)) in enumerate(zip(runs["direct"], runs["flat"])):
+        if clip and step == 0:
+            assert want_gnorm > clip  # clipping bites
+            torch.testing.assert_close(gnorm, want_gnorm, rtol=1e-6, atol=0)
+        if clip and step > 0:
+            break
+        for a, b in zip(got, want):
+            if not clip:
+                assert torch.equal(a, b)
+            else:  # bf16 working weights: a rounding may flip one unit in the last place
+                ulp = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-6
+                torch.testing.assert_close(a, b, rtol=ulp, atol=1e-8)
+
+
+def _toy_steps(direct: bool, clip: float, use: list[tuple[str, ...]], accumulate: int = 1):
+    """FlatAdamW on three weights, each step's loss reaching only the weights in `use[step]`; the
+    gradients do not depend on the weights (a linear loss), so both schemes see the same ones."""
+    torch.manual_seed(0)
+    ps = {n: torch.nn.Parameter(torch.randn(*s)) for n, s in (("a", (4, 3)), ("b", (5,)), ("c", (2, 2)))}
+    opt = FlatAdamW(list(ps.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, direct_grads=direct,
+                    segments=[["a"], ["b", "c"]])
+    assert opt.direct == direct
+    g = torch.Generator().manual_seed(1)
+    gnorms, seen = [], []
+    for step, names in enumerate(use):
+        for micro in range(accumulate):
+            loss = sum((ps[n] * torch.randn(ps[n].shape, generator=g)).sum() for n in names)
+            loss.backward()
+            opt.collect()
+        seen.append([t.clone() for t in opt.gradients()])
+        gnorms.append(opt.step_(clip)[0])
+    return opt, gnorms, seen
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_weight_backward_did_not_reach_has_a_zero_gradient(clip):
+    """Direct: a `.grad` left None counts as zeros (weight decay still moves the weight), over
+    several steps of two backwards each, in two segments, the same as the flat scheme's."""
+    use = [("a", "c"), ("a",), ("b", "c"), ("c",)]
+    (d, dn, dseen), (f, fn, fseen) = (_toy_steps(direct, clip, use, accumulate=2) for direct in (True, False))
+    assert torch.equal(dseen[1][1], torch.zeros(5)) and torch.equal(dseen[1][2], torch.zeros(2, 2))
+    for a, b in zip(dseen, fseen):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for x, y in zip(dn, fn):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+    assert all(float(n) > clip for n in fn)  # clipping bites when on
+    for name in ("master", "exp_avg", "exp_avg_sq", "step"):
+        if clip:
+            torch.testing.assert_close(getattr(d, name), getattr(f, name), rtol=1e-6, atol=1e-8)
+        else:
+            assert torch.equal(getattr(d, name), getattr(f, name)), name
+    assert float(d.step) == 4
+
+
+def test_the_trainer_keeps_the_flat_buffer_where_grad_is_not_the_updates_to_read():
+    """CUDA graphs may leave `.grad` in a graph's output pool; a bucketed all-reduce fills the buffer."""
+    assert _trainer().opt.direct  # eager on one replica
+    for mode in ("reduce-overhead", "max-autotune"):
+        args = DrafterArgs(**ARGS)
+        obj = DFlashObjective(DFlashDrafter(args), args, torch.randn(128, 32), torch.randn(128, 32),
+                              DrafterConfig(block_size=8, num_anchors=8, max_anchors_per_doc=4))
+        tr = DrafterTrainer(obj, TrainConfig(compile=mode), 10, None, torch.device("cpu"))
+        assert not tr.opt.direct and tr.opt.grad is not None, mode
+    ps = [("a", torch.nn.Parameter(torch.randn(4)))]
+    assert not FlatAdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, overlap_reduce=True).direct
+
+
+def test_bench_flatgrads_mode_keeps_the_copy():
+    import drafter_step
+    from common import DRAFTERS
+
+    assert drafter_step.parse_mode("default+ce=triton+flatgrads") == ("default", {"ce": "triton", "flatgrads": True})
+    for mode, direct in (("eager", True), ("eager+flatgrads", False)):
+        tr = drafter_step.build(DRAFTERS["tiny"], mode, torch.device("cpu"), 64, "layers")
+        assert tr.opt.direct == direct
+
+
+def test_identical_layers_share_one_compiled_direct_update():
+    """Compiled, the direct update takes per-parameter lists; equal layers must not recompile."""
+    from dflash_mp.compile_stats import counts
+
+    torch._dynamo.reset()
+    shapes = {"w1": (8, 4), "norm": (4,), "w2": (4, 8)}
+    named = [("fc.weight", (6, 4))] + [(f"layers.{i}.{k}", s) for i in range(3) for k, s in shapes.items()]
+    runs = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        ps = [(n, torch.nn.Parameter(torch.randn(*s))) for n, s in named]
+        segments = [["fc.weight"]] + [[f"layers.{i}.{k}" for k in shapes] for i in range(3)]
+        opt = FlatAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, dtype=torch.bfloat16,
+                        compiled=compiled, segments=segments)
+        assert opt.direct
+        before = counts()["graphs"]
+        for step in range(2):
+            loss = sum((p.float() ** 2).sum() * (k + 1) for k, (n, p) in enumerate(ps) if n != "layers.0.norm")
+            loss.backward()
+            opt.collect()
+            opt.step_(1.0)
+            if step == 0:
+                first = counts()["graphs"]
+        if compiled:  # fc's segment and one for the three layers (layers.0.norm's zeros too); none later
+            assert first - before == 2 and counts()["graphs"] == first
+        runs.append([opt.master.clone(), opt.exp_avg_sq.clone(), opt.work.clone()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _reference_step(tr: DrafterTrainer, clip: float):
     """torch's clip_grad_norm_ + AdamW on fp32 copies of the weights, with the trainer's gradients."""
     ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master().values()]
-    for r, g in zip(ref, tr.opt.grad_views):
+    for r, g in zip(ref, tr.opt.gradients()):
         r.grad = g.float().clone()
     norm = torch.nn.utils.clip_grad_norm_(ref, clip) if clip > 0 else None
     torch.optim.AdamW(ref, lr=tr.opt.lr, betas=tr.cfg.betas, weight_decay=0.1, foreach=False).step()
     return ref, norm
 
 
+@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("clip", [1e-3, 1e6, 0.0])  # clipping bites / never bites / disabled
-def test_clip_and_update_equal_clip_grad_norm_then_torch_adamw(clip):
-    tr = _trainer(clip)
+def test_clip_and_update_equal_clip_grad_norm_then_torch_adamw(clip, direct):
+    tr = _trainer(clip, direct=direct)
     init = [p.detach().clone() for p in tr.params]
     tr.set_lr()
     tr.forward_backward(_batch())
@@ -103,17 +263,19 @@ def test_clip_and_update_equal_clip_grad_norm_then_torch_adamw(clip):
     assert stats["skipped"] == 0
 
 
-def test_bf16_working_weights_follow_fp32_master_weights():
+@pytest.mark.parametrize("direct", [True, False])
+def test_bf16_working_weights_follow_fp32_master_weights(direct):
     """precision=bf16: the model computes with bf16 views, AdamW updates fp32 master weights."""
-    tr = _trainer(1.0, "bf16")
-    assert tr.opt.work.dtype == torch.bfloat16 and tr.opt.grad.dtype == torch.bfloat16
+    tr = _trainer(1.0, "bf16", direct=direct)
+    assert tr.opt.work.dtype == torch.bfloat16 and (direct or tr.opt.grad.dtype == torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and _inside(p, tr.opt.work) for p in tr.params)
     ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master().values()]
     opt = torch.optim.AdamW(ref, lr=1.0, betas=tr.cfg.betas, weight_decay=0.1, foreach=False)
     for step in range(3):
         tr.set_lr()
         tr.forward_backward(_batch(step))
-        for r, g in zip(ref, tr.opt.grad_views):
+        for r, g in zip(ref, tr.opt.gradients()):
+            assert g.dtype == torch.bfloat16
             r.grad = g.float().clone()
         torch.nn.utils.clip_grad_norm_(ref, 1.0)
         opt.param_groups[0]["lr"] = tr.opt.lr
@@ -157,14 +319,16 @@ def _compare_update(g):
         assert float(bufs[5]) == 3.0  # the caller counts steps
 
 
-def test_non_finite_gradients_skip_the_update_and_are_counted():
-    tr = _trainer()
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradients_skip_the_update_and_are_counted(direct, bad):
+    tr = _trainer(direct=direct, layers=2)
     tr.train_step(_batch())
     before = [p.detach().clone() for p in tr.params]
     moments = tr.opt.exp_avg.clone()
     tr.set_lr()
     tr.forward_backward(_batch())
-    tr.opt.grad[0] = float("nan")
+    tr.opt.gradients()[-1].view(-1)[0] = bad  # the `.grad` itself (direct) or its place in the buffer
     tr.optimizer_step()
     for b, p in zip(before, tr.params):
         assert torch.equal(b, p.detach())
@@ -203,6 +367,7 @@ def _rank_bf16_step(rank, world_size):
 
     tr = _trainer(1.0, "bf16", group=dist.group.WORLD)
     assert tr.opt.world == world_size
+    assert not tr.opt.direct and tr.opt.grad is not None  # the all-reduce sums the flat buffer
     tr.set_lr()
     tr.forward_backward(_batch(rank))
     own = tr.opt.grad.clone()
@@ -262,7 +427,9 @@ def test_segments_must_be_contiguous_runs_covering_every_parameter():
         FlatAdamW(ps, segments=[["a", "b", "c", "d"]], **kw)
     opt = FlatAdamW(ps, segments=[["c"], ["a", "b"]], **kw)
     assert [sorted(names) for names, _ in opt._segments] == [["c"], ["a", "b"]]
-    assert opt._segments[0][1][0].data_ptr() == opt.master[8:].data_ptr()
+    assert opt._segments[0][1][0][0].data_ptr() == opt.master[8:].data_ptr()  # direct: c's view
+    flat = FlatAdamW(ps, segments=[["c"], ["a", "b"]], direct_grads=False, **kw)
+    assert flat._segments[0][1][0][0].data_ptr() == flat.master[8:].data_ptr()  # flat: the run's slice
 
 
 def test_lr_schedule_warms_up_linearly_then_follows_the_cosine_to_its_floor():

@@ -17,7 +17,8 @@ from common import synthetic_batch  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
 
 
-def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True) -> DrafterTrainer:
+def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True, direct: bool = True,
+          clip: float = 1.0) -> DrafterTrainer:
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
@@ -30,8 +31,8 @@ def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True) -> D
     obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=loss, warmup_ratio=0.0,
-                      optimizer_overlap=overlap)
-    return DrafterTrainer(obj, cfg, 100, None, dev)
+                      optimizer_overlap=overlap, grad_clip=clip)
+    return DrafterTrainer(obj, cfg, 100, None, dev, direct_grads=direct)
 
 
 @pytest.mark.parametrize("mode,scope,loss", [("default", "step", "eager"), ("reduce-overhead", "step", "eager"),
@@ -79,6 +80,39 @@ def test_training_step_never_synchronises_the_gpu(mode, loss):
 def test_cuda_graphs_keep_the_update_on_the_compute_stream():
     assert not build("reduce-overhead", "layers", "triton").opt.on_side_stream
     assert build("default", "layers", "triton").opt.on_side_stream
+
+
+def test_cuda_graphs_keep_the_flat_gradient_buffer():
+    """`.grad` may live in a CUDA graph's output pool, which the next replay overwrites."""
+    tr = build("reduce-overhead", "layers", "triton")
+    assert not tr.opt.direct and tr.opt.grad is not None
+    assert build("default", "layers", "triton").opt.direct
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_updates_reading_grad_on_a_side_stream_equal_the_flat_buffers(mode):
+    """The direct scheme's `.grad` tensors outlive backward until the side stream's update has read
+    them: steps queued back to back give the flat scheme's weights (no clipping: the same divisor),
+    and the compiled per-parameter update compiles once for the identical layers."""
+    batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
+    runs = []
+    for direct in (True, False):
+        tr = build(mode, "layers", "triton", direct=direct, clip=0.0)
+        assert tr.opt.direct == direct and tr.opt.on_side_stream
+        torch.manual_seed(7)
+        losses = []
+        for i in range(8):  # no host sync in between: the streams race as in training
+            tr.train_step(batches[i % 3])
+            losses.append(tr.stats.loss.clone())
+            if i == 1:
+                warm = counts()["graphs"]
+        assert counts()["graphs"] == warm
+        runs.append(([float(x) for x in losses], tr.opt.named_master(), tr.opt.exp_avg_sq.clone()))
+    (l1, m1, v1), (l2, m2, v2) = runs
+    assert l1 == pytest.approx(l2, rel=1e-3)
+    torch.testing.assert_close(v1, v2, rtol=1e-3, atol=1e-12)
+    for name in m1:
+        torch.testing.assert_close(m1[name], m2[name], rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["eager", "default"])

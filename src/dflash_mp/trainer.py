@@ -197,6 +197,10 @@ def lr_at(step: int, num_steps: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+# torch.compile modes that record CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
     # auto: the fastest mode measured on the H200 that runs under torchrun (BENCHMARKS.md).
     return resolve_auto("train.compile", mode, device, cuda="default", cpu="eager",
@@ -238,7 +242,10 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_ke
 
 class DrafterTrainer:
     def __init__(self, objective: DFlashObjective, cfg: TrainConfig, num_steps: int, group,
-                 device: torch.device, write_grads: bool = True):
+                 device: torch.device, write_grads: bool = True, direct_grads: bool = True):
+        """`write_grads=False`: the older add-into-`.grad` scheme; `direct_grads=False`: the flat
+        gradient buffer even where the update could read `.grad` itself (FlatAdamW; both for the
+        bench's comparisons)."""
         self.objective = objective
         self.cfg = cfg
         self.num_steps = num_steps
@@ -259,7 +266,10 @@ class DrafterTrainer:
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
                              write_grads=write_grads,  # False: the older add-into-.grad scheme (bench)
                              segments=_layer_segments([n for n, _ in named]) if overlap else None,
-                             side_stream=overlap, overlap_reduce=cfg.allreduce_overlap)
+                             side_stream=overlap, overlap_reduce=cfg.allreduce_overlap,
+                             # Under CUDA graphs `.grad` may live in a graph's output pool, which the
+                             # next replay overwrites: copy it into the flat buffer at once there.
+                             direct_grads=direct_grads and self.mode not in CUDA_GRAPH_MODES)
         objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
         self.loss_kernel = resolve_loss_kernel(cfg.loss_kernel, self.mode, device)
@@ -327,7 +337,7 @@ class DrafterTrainer:
     def optimizer_step(self) -> None:
         """Clip + AdamW (`FlatAdamW.step_`), with no host sync.
 
-        The global norm is one reduction over the flat gradient; the clip factor and the
+        The global norm is one reduction over the gradients; the clip factor and the
         data-parallel mean divide the gradient inside the update pass, and a non-finite norm skips
         the update there (weights, moments and step count untouched), so one bad batch costs a
         skipped step, not NaN weights. Skips are counted (`drafter/skipped_steps`).
