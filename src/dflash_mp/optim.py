@@ -107,7 +107,7 @@ class FlatAdamW:
     `write_grads=False` keeps the older scheme for comparison: each `.grad` is a view of the
     buffer, autograd adds into it and the buffer is zeroed after each step.
 
-    `direct_grads`: with one replica, written gradients and no `overlap_reduce`, the update reads
+    `direct_grads`: with one replica (where `overlap_reduce` has nothing to sum) and written gradients, the update reads
     the `.grad` tensors and no flat gradient buffer is allocated (`direct`; the module docstring's
     direct scheme). False keeps the flat buffer: the caller's choice under CUDA graphs."""
 
@@ -138,7 +138,7 @@ class FlatAdamW:
         self.work = self.master if dtype == torch.float32 else self.master.to(dtype)
         self.write_grads = write_grads
         # Nothing to sum over a group: the update can read the gradients where autograd leaves them.
-        self.direct = direct_grads and write_grads and self.world == 1 and not overlap_reduce
+        self.direct = direct_grads and write_grads and self.world == 1
         # The flat scheme's gradient, and each parameter's view of it (None, [] when direct).
         self.grad = None if self.direct else torch.zeros(n, dtype=dtype, device=device)
         self.grad_views = [] if self.direct else self._views(self.grad)
