@@ -23,6 +23,16 @@ def available(device: torch.device) -> bool:
     return True
 
 
+def input_precision(x: torch.Tensor) -> str:
+    """The kernels' matmul input precision: "ieee" for fp32 inputs (fp32 stays fp32, not TF32)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16/fp16 inputs
+
+
+def last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    """`x` with its last dimension dense (the kernels address the others by their strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 _stages: dict[tuple, int] = {}  # (kernel, its constexprs, device) -> the pipeline stages that fit
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_launch import launch
+from ..triton_launch import input_precision, last_dim_dense, launch
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
@@ -127,21 +127,13 @@ def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int,
     return k.shape[0] - n_q, n_q // block_size, hkv, g, _next_pow2(g * block_size), d
 
 
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16/fp16 inputs
-
-
-def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 @torch.library.custom_op("dflash_mp::block_attention", mutates_args=())
 def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                         anchor: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                         tile_order: torch.Tensor, block_size: int, window: int, scale: float,
                         key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out `[Q, Hq, D]`, lse); `lo`, `hi`, `tile_order`, `key_tile` are the backward's."""
-    q, k, v = (_last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
+    q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
@@ -149,7 +141,8 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     launch(fwd, (A, hkv), (q, k, v, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), T,
                             scale * math.log2(math.e)),
-            dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window, PREC=_prec(q)),
+            dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
+                 PREC=input_precision(q)),
             TILES["fwd_warps"], TILES["fwd_stages"], q.device)
     return out, lse
 
@@ -169,14 +162,14 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     """(dq, dk, dv) in q's and k's shapes."""
     # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16. q, k and v
     # contiguous (as the projections produce them): the kernels address dq, dk, dv with their strides.
-    grad, out = (_last_dim_dense(x.to(q.dtype)) for x in (grad, out))
+    grad, out = (last_dim_dense(x.to(q.dtype)) for x in (grad, out))
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     dq, dk, dv = _grads_like(q, k, v)
     delta = torch.empty_like(lse)
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
-    common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=_prec(q))
+    common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=input_precision(q))
     launch(dq_kernel, (A, hkv), (q, k, v, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0),
                                   q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                                   out.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_launch import launch
+from ..triton_launch import input_precision, last_dim_dense, launch
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
 # diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
@@ -70,14 +70,6 @@ def doc_rows(doc_ids: torch.Tensor, head_dim: int, window: int | None = None) ->
     return DocRows(low=low.to(torch.int32), order=torch.argsort(-keys, stable=True).to(torch.int32), block_m=block_m)
 
 
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for bf16/fp16 inputs
-
-
-def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 @torch.library.custom_op("dflash_mp::doc_attention", mutates_args=())
 def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: torch.Tensor, order: torch.Tensor,
                      scale: float, block_m: int) -> torch.Tensor:
@@ -88,12 +80,12 @@ def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: tor
         raise ValueError(f"doc_attention tiles: BLOCK_N={block_n} must divide BLOCK_M={block_m} (doc_attn.TILES[{d}])")
     from .doc_attn_triton import doc_attn_fwd
 
-    q, k, v = (_last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
+    q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
            (q, k, v, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),
-           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_prec(q)),
+           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q)),
            warps, stages, q.device)
     return out
 
