@@ -86,20 +86,20 @@ def test_the_choice_of_the_kernel():
     assert "head_dim=80" in unsupported(80, torch.bfloat16)
 
 
-def test_auto_falls_back_where_the_kernel_has_no_tiles(tmp_path, monkeypatch, caplog):
-    """A target whose head_dim the kernel has no tiles for runs `auto` on flex_attention, logged."""
-    from transformers import Qwen3ForCausalLM
+def test_auto_falls_back_where_the_kernel_has_no_tiles(caplog):
+    """A target whose head_dim the kernel has no tiles for runs `auto` on flex_attention (sdpa where
+    transformers has no flex for the class), logged; the loaded model's config decides."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
-    from dflash_mp.target import worker as worker_mod
+    from dflash_mp.target.worker import triton_or_fallback
 
-    cfg = {"num_attention_heads": 4, "hidden_size": 80 * 4, "num_hidden_layers": 2, "vocab_size": 96,
-           "intermediate_size": 64}
-    monkeypatch.setattr("dflash_mp.target.spec.load_target_config", lambda path: cfg)
+    odd = Qwen3Config(hidden_size=320, num_attention_heads=4, head_dim=80)
     with caplog.at_level("INFO"):
-        assert worker_mod.TargetWorker._triton_or_fallback("x", Qwen3ForCausalLM, torch.bfloat16) == "flex_attention"
+        assert triton_or_fallback(odd, Qwen3ForCausalLM, torch.bfloat16) == "flex_attention"
     assert "head_dim=80" in caplog.text
-    cfg["hidden_size"] = 128 * 4
-    assert worker_mod.TargetWorker._triton_or_fallback("x", Qwen3ForCausalLM, torch.bfloat16) == "triton"
+    assert triton_or_fallback(odd, Qwen3_5ForCausalLM, torch.bfloat16) == "sdpa"
+    assert triton_or_fallback(Qwen3Config(head_dim=128), Qwen3ForCausalLM, torch.bfloat16) == "triton"
 
 
 def test_the_kernel_asked_for_on_cpu_is_refused_at_load(tmp_path):

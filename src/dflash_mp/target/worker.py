@@ -28,6 +28,22 @@ log = logging.getLogger(__name__)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
+def head_dim_of(config) -> int:
+    """The attention head size of a loaded model's (text) config."""
+    text = config.get_text_config()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def triton_or_fallback(config, model_cls: type, dtype: torch.dtype) -> str:
+    """`auto` on CUDA: the Triton kernel where the loaded target's shapes suit it, else the fallback, logged."""
+    why = unsupported(head_dim_of(config), dtype)
+    if why is None:
+        return "triton"
+    fallback = fallback_attention(model_cls)
+    log.info("target attention: the Triton kernel cannot run this target (%s); using %s", why, fallback)
+    return fallback
+
+
 class TargetWorker:
     """Runs the truncated target over packed batches and returns HiddenBatches.
 
@@ -68,9 +84,8 @@ class TargetWorker:
             raise ValueError(f"target {type(model).__name__}: its decoder has no {', '.join(missing)}; dflash_mp runs "
                              "decoders laid out as Llama/Qwen (embed_tokens, layers, rotary_emb, norm): use such a target.")
         config = model.config
-        text = config.get_text_config()
-        self.hidden_size = text.hidden_size
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.hidden_size = config.get_text_config().hidden_size
+        self.head_dim = head_dim_of(config)
         self.dtype = next(p.dtype for p in decoder.parameters() if p.is_floating_point())
         self.window = sliding_window_of(config)
         attn = config._attn_implementation
@@ -133,14 +148,14 @@ class TargetWorker:
             raise ValueError(f"stage layers [{first}, {end}) are outside the target's layers 0..{last}")
         model_cls = causal_lm_class(path)
         attn = choose_attention(attn_implementation, device, model_cls)
-        if attn == "triton" and attn_implementation == "auto":
-            attn = cls._triton_or_fallback(path, model_cls, dtype)
         seed = random_init_seed(path)
         load_as = load_attention(attn, model_cls)
         if seed is None:
             model = load_stage(path, first, end, keep_norm=end == last + 1, dtype=dtype, attn=load_as)
         else:
             model = random_target(path, seed, device, dtype, load_as, first, end, keep_norm=end == last + 1)
+        if attn == "triton" and attn_implementation == "auto":
+            attn = triton_or_fallback(model.config, model_cls, dtype)
         if attn in ("flex_attention", "varlen", "triton"):
             model.config._attn_implementation = attn  # TargetWorker registers its function where needed
         if getattr(model.config, "output_router_logits", False):
@@ -158,19 +173,6 @@ class TargetWorker:
             log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
                         type(model).__name__)
         return worker
-
-    @staticmethod
-    def _triton_or_fallback(path: str, model_cls: type, dtype: torch.dtype) -> str:
-        """`auto` on CUDA: the Triton kernel where the target's shapes suit it, else the fallback, logged."""
-        from .spec import TargetSpec, load_target_config
-
-        head_dim = TargetSpec.from_config(load_target_config(path)).head_dim
-        why = unsupported(head_dim, dtype)
-        if why is None:
-            return "triton"
-        fallback = fallback_attention(model_cls)
-        log.info("target attention: the Triton kernel cannot run this target (%s); using %s", why, fallback)
-        return fallback
 
     # ------------------------------------------------------------------------------------ forward
     def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False
