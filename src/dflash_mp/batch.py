@@ -18,6 +18,15 @@ FLAG_END_OF_DATA = 1
 TOKEN_FIELDS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the first position of each token's document in a packed row (a run of equal ids is one
+    document; trailing padding, id -1, is one of its own). On the row's device, no host sync."""
+    pos = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[1:] = doc_ids[1:] != doc_ids[:-1]
+    return torch.where(first, pos, 0).cummax(0).values
+
+
 @dataclass
 class PackedBatch:
     """Whole conversations packed into one row of `seq_len` tokens.

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batch import document_starts
 from ..triton_launch import input_precision, last_dim_dense, launch
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
@@ -92,11 +93,7 @@ def block_spans(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
     bound; later slots are cut inside the kernel)."""
     T = doc_ids.shape[0]
     key_tile = key_tile or TILES["BLOCK_N2"]
-    pos = torch.arange(T, device=doc_ids.device)
-    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_doc[1:] = doc_ids[1:] != doc_ids[:-1]
-    doc_start = torch.where(new_doc, pos, 0).cummax(0).values
-    start = doc_start[anchors]
+    start = document_starts(doc_ids)[anchors]
     if window:
         start = torch.maximum(start, anchors - window + 1)
     start = torch.where(valid, start, T)

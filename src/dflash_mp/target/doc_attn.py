@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batch import document_starts
 from ..triton_launch import input_precision, last_dim_dense, launch
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
@@ -58,13 +59,10 @@ def doc_rows(doc_ids: torch.Tensor, head_dim: int, window: int | None = None) ->
     """The visible ranges of a packed row with document ids `doc_ids` [T] (padding, -1, is a document
     of its own, as the other masks have it). Fixed shapes, no host sync."""
     T = doc_ids.shape[0]
-    block_m = TILES[head_dim][0] if head_dim in TILES else 64
-    pos = torch.arange(T, device=doc_ids.device)
-    first = torch.ones_like(doc_ids, dtype=torch.bool)
-    first[1:] = doc_ids[1:] != doc_ids[:-1]
-    low = torch.where(first, pos, 0).cummax(0).values
+    block_m = TILES[head_dim][0]
+    low = document_starts(doc_ids)
     if window:
-        low = torch.maximum(low, pos - window + 1)
+        low = torch.maximum(low, torch.arange(T, device=doc_ids.device) - window + 1)
     starts = torch.arange(0, T, block_m, device=doc_ids.device)
     keys = torch.clamp(starts + block_m, max=T) - low[starts]
     return DocRows(low=low.to(torch.int32), order=torch.argsort(-keys, stable=True).to(torch.int32), block_m=block_m)
