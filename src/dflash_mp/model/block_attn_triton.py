@@ -27,6 +27,35 @@ def _online(s, m, l, acc, v, vis, PREC: tl.constexpr):
 
 
 @triton.jit
+def _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """K/V rows [n0, n0 + BLOCK_N) of KV head g and which (slot, key) pairs see them: rows up to `end`,
+    and on sliding layers within the window of slot k's position a + k."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    ok = n < end
+    kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
+    vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
+    vis = ok[None, :]
+    if WINDOW > 0:
+        vis = vis & (n[None, :] > a + slot[:, None] - WINDOW)
+    return kt, vt, vis
+
+
+@triton.jit
+def _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.constexpr, WINDOW: tl.constexpr):
+    """Block i's own B keys (rows T + i*B ..) of KV head g, and which (slot, key) pairs see them: all of
+    them, or on sliding layers the causal ones within the window."""
+    j = tl.arange(0, B)
+    nb = T + i * B + j
+    kb = tl.load(K + nb[:, None] * sk_s + g * sk_h + d[None, :])
+    vb = tl.load(V + nb[:, None] * sv_s + g * sv_h + d[None, :])
+    vis = j[None, :] < B
+    if WINDOW > 0:
+        vis = (j[None, :] <= slot[:, None]) & (slot[:, None] - j[None, :] < WINDOW)
+    return nb, kb, vb, vis
+
+
+@triton.jit
 def block_attn_fwd(Q, K, V, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s, so_h,
         T, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
         D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
@@ -44,21 +73,9 @@ def block_attn_fwd(Q, K, V, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, s
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        ok = n < end
-        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
-        vis = ok[None, :]
-        if WINDOW > 0:
-            vis = vis & (n[None, :] > a + slot[:, None] - WINDOW)
+        kt, vt, vis = _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N, WINDOW)
         m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, vis, PREC)
-    j = tl.arange(0, B)
-    nb = T + i * B + j
-    kb = tl.load(K + nb[:, None] * sk_s + g * sk_h + d[None, :])
-    vb = tl.load(V + nb[:, None] * sv_s + g * sv_h + d[None, :])
-    vis = j[None, :] < B
-    if WINDOW > 0:
-        vis = (j[None, :] <= slot[:, None]) & (slot[:, None] - j[None, :] < WINDOW)
+    nb, kb, vb, vis = _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW)
     m, l, acc = _online(tl.dot(q, tl.trans(kb), input_precision=PREC) * scale2, m, l, acc, vb, vis, PREC)
     out = acc / l[:, None]
     tl.store(O + qrow[:, None] * so_s + head[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
@@ -89,23 +106,11 @@ def block_attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, 
     a = tl.load(ANCH + i)
     dq = tl.zeros([ROWS, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        ok = n < end
-        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
-        vis = ok[None, :]
-        if WINDOW > 0:
-            vis = vis & (n[None, :] > a + slot[:, None] - WINDOW)
+        kt, vt, vis = _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N, WINDOW)
         p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)
-    j = tl.arange(0, B)
-    nb = T + i * B + j
-    kb = tl.load(K + nb[:, None] * sk_s + g * sk_h + d[None, :])
-    vb = tl.load(V + nb[:, None] * sv_s + g * sv_h + d[None, :])
-    vis = j[None, :] < B
-    if WINDOW > 0:
-        vis = (j[None, :] <= slot[:, None]) & (slot[:, None] - j[None, :] < WINDOW)
+    nb, kb, vb, vis = _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW)
     p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kb), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
     ds = p * (tl.dot(do, tl.trans(vb), input_precision=PREC) - delta[:, None])
     dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
