@@ -42,7 +42,7 @@ if has warm; then  # throw-away runs whose only product is the Inductor cache (f
         --preset qwen3_0p6b --modes "${SMALL_WARM_MODES:-default+ce=triton}" --scope layers --steps 1 --warmup 2 \
         > "$W/w06.log" 2>&1) & warm_jobs+=($!); }
     has target && { (cd bench && OUT=$W TORCHINDUCTOR_COMPILE_THREADS=4 timeout "${T_WARM:-330}" python3 target_forward.py \
-        --variants "${TARGET_WARM:-trunc-triton-compiled,trunc-flex-compiled}" --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
+        --variants "${TARGET_WARM:-trunc-triton-compiled-graph,trunc-flex-compiled}" --steps 1 > "$W/wt.log" 2>&1) & warm_jobs+=($!); }
 fi
 if has tests; then
     step gpu_tests "${T_TESTS:-330}" env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs -p no:cacheprovider \
@@ -64,8 +64,9 @@ has drafter && step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --pre
     --scope layers --loss-steps "$LOSS_STEPS" --loss-mode "${LOSS_MODE:-default+ce=triton}" --steps 10 --warmup 3 ${DRAFTER_ARGS:-}
 has tiles && step flex_tiles "${T_TILES:-300}" python3 flex_tiles.py ${TILES:+--variants "$TILES"} \
     --budget-s $(( ${T_TILES:-300} - 60 ))
-# The GPU default (the Triton kernel inside the compiled layers), then flex_attention outside them.
-TARGET_VARIANTS=${TARGET_VARIANTS:-trunc-triton-compiled,trunc-flex-compiled}
+# The GPU default (the Triton kernel inside the compiled layers, the forward as one CUDA graph), the same
+# launched from Python, then flex_attention outside the layers.
+TARGET_VARIANTS=${TARGET_VARIANTS:-trunc-triton-compiled-graph,trunc-triton-compiled,trunc-flex-compiled}
 has target && step target_8b "${T_TARGET:-200}" python3 target_forward.py --steps 10 --variants "$TARGET_VARIANTS"
 has doctiles && step doc_attn_tiles "${T_DOCTILES:-150}" python3 doc_attn_tiles.py ${DOC_TILES:+--variants "$DOC_TILES"}
 has small && step drafter_0p6b "${T_SMALL:-110}" python3 drafter_step.py --preset qwen3_0p6b --modes "$SMALL_MODES" \
@@ -76,7 +77,7 @@ if has pipeline; then  # at the preset's defaults (compiled target, GPU turns), 
     TJ=$(realpath "${PIPE_TARGET_JSON:-$OUT/target_qwen3_8b.json}")  # absolute: pipeline.py runs in bench/
     if ! has target && [ -z "${PIPE_TARGET_JSON:-}" ]; then
         TJ="$PIPE/target_qwen3_8b.json"
-        step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-triton-compiled --steps 20
+        step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-triton-compiled-graph --steps 20
     fi
     python3 -m dflash_mp.builtin make-data make_data.out="$PIPE/long_chats.jsonl" make_data.num=600 \
         make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
@@ -87,7 +88,7 @@ if has pipeline; then  # at the preset's defaults (compiled target, GPU turns), 
             checkpoint.every=0 checkpoint.overwrite=true run_dir="$PIPE/run_$turns" ${PIPE_ARGS:-}
         cp "$PIPE/run_$turns/tb/drafter/scalars.jsonl" "$OUT/pipe_${turns}_drafter_scalars.jsonl" 2>/dev/null
         cp "$PIPE/run_$turns/tb/target/scalars.jsonl" "$OUT/pipe_${turns}_target_scalars.jsonl" 2>/dev/null
-        (cd bench && python3 pipeline.py --target-json "$TJ" --target-variant "${PIPE_TARGET_VARIANT:-trunc-triton-compiled}" \
+        (cd bench && python3 pipeline.py --target-json "$TJ" --target-variant "${PIPE_TARGET_VARIANT:-trunc-triton-compiled-graph}" \
             --drafter-mode "${PIPE_DRAFTER_MODE:-default+ce=triton}" --skip "${PIPE_SKIP:-20}" \
             --drafter-json "$OUT/drafter_qwen3_8b_layers.json" --run-dir "$PIPE/run_$turns") 2>&1 | tee -a "$LOG"
     done

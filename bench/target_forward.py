@@ -12,6 +12,8 @@ norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it o
 always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-document kernel
 (target.attn_implementation=triton, the GPU default), inside the compiled layers; a suffix
 `@mMnNwWsS` runs it with BLOCK_M=M, BLOCK_N=N, W warps, S stages instead of `doc_attn.TILES`.
+`-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
+default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -93,7 +95,10 @@ def main() -> None:
                         else "flex_attention")
                 model.config._attn_implementation = attn
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
-                                      flex_in_graph=v.endswith("ingraph"))
+                                      flex_in_graph=v.endswith("ingraph"),
+                                      cuda_graph=re.search(r"-graph(@|$)", v) is not None)
+                if worker.graph is None and re.search(r"-graph(@|$)", v):
+                    raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731
                 f = flops(max(layer_ids) + 1, False)
             warm = timed(fn, 3, device)

@@ -127,7 +127,8 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
         log.info("rank %d: %d batches in %d shards, %d already complete", rank, num, len(plan), len(plan) - len(todo))
         if todo:
             worker = TargetWorker.load(target_path, layer_ids, device, dtype, job.target.attn_implementation,
-                                       job.target.compile, job.target.packing_check)
+                                       job.target.compile, job.target.packing_check,
+                                       cuda_graph=job.target.cuda_graph)
             for i in todo:
                 first, n = plan[i]
                 seek(stream, first)

@@ -159,7 +159,8 @@ class TargetRun(_RoleRun):
         with out:
             self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                             job.target.attn_implementation, job.target.compile,
-                                            job.target.packing_check, layers=layers, probe_len=job.data.seq_len)
+                                            job.target.packing_check, layers=layers, probe_len=job.data.seq_len,
+                                            cuda_graph=job.target.cuda_graph)
         self.compiled = self.worker.compiled  # False where the compiled forward failed its check
         self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         live.phase("starting", "transport")
@@ -481,7 +482,8 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
     if target is not None:
         rows += [("target attention implementation", target.attention),
                  ("target linear-attention layers", target.linear_how),
-                 ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no")]
+                 ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no"),
+                 ("target forward as a CUDA graph", target.describe_graph())]
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),

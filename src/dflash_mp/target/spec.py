@@ -22,6 +22,9 @@ class TargetConfig:
     compile: bool = True  # torch.compile the truncated forward on CUDA (ignored on CPU)
     cache_dir: str = ""  # where builtin targets are built once; "" = $DFLASH_MP_CACHE or ~/.cache/dflash_mp
     packing_check: bool = True  # at load, refuse a target whose packed rows leak across documents
+    # Replay the forward as one CUDA graph where it can be captured (target/graph.py: the Triton attention,
+    # no linear-attention or MoE layers); false launches it from Python each time.
+    cuda_graph: bool = True
     # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
     # node (a target larger than one GPU), balanced by forward cost; see stages.py.
     stages: int = 1

@@ -21,6 +21,7 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
+from .graph import ForwardGraph, unsupported as graph_unsupported
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,14 @@ class TargetWorker:
 
     `cross_documents`: linear-attention layers run a packed row as one sequence (a leaking variant,
     for the packing check's tests).
+
+    `cuda_graph`: `forward` replays the forward as a CUDA graph where it can be captured (graph.py;
+    `self.graph_why` says why not where it cannot).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
-                 compile_scope: str = "layers"):
+                 compile_scope: str = "layers", cuda_graph: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -131,17 +135,23 @@ class TargetWorker:
             self._run = torch.compile(self._forward, dynamic=False)
         else:
             raise ValueError(f"compile_scope={compile_scope!r}: use layers or forward")
+        self.graph: ForwardGraph | None = None
+        self.graph_why = "target.cuda_graph=false" if not cuda_graph else graph_unsupported(
+            torch.device(device), named, bool(self.linear or self.varlen), config, compile_scope)
+        if self.graph_why is None:
+            self.graph = ForwardGraph(self._graphed, torch.device(device))
 
     @classmethod
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
              attn_implementation: str = "auto", compile: bool = False,
              packing_check: bool = True, layers: tuple[int, int] | None = None,
-             probe_len: int = 512) -> "TargetWorker":
+             probe_len: int = 512, cuda_graph: bool = False) -> "TargetWorker":
         """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
         stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
         weights are read (and the embedding on a first stage). The attention implementation is
         chosen for the model's class (attention.choose_attention). A compiled forward is checked
-        against the eager one on a row of `probe_len` tokens (the run's row length: no second compile)."""
+        against the eager one on a row of `probe_len` tokens (the run's row length: no second compile).
+        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py)."""
         last = max(layer_ids)
         first, end = layers if layers is not None else (0, last + 1)
         if not 0 <= first < end <= last + 1:
@@ -162,9 +172,10 @@ class TargetWorker:
             model.config.output_router_logits = False  # MoE: the router's aux outputs are never used
         truncate(model, last)
         model.to(device).eval().requires_grad_(False)
-        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end))
-        log.info("target %s: attention %s; linear attention: %s", type(model).__name__, worker.attention,
-                 worker.linear_how)
+        worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end),
+                     cuda_graph=cuda_graph)
+        log.info("target %s: attention %s; linear attention: %s; CUDA graph: %s", type(model).__name__,
+                 worker.attention, worker.linear_how, worker.describe_graph())
         if worker.compiled:
             worker.check_compiled(probe_len)
         if packing_check:
@@ -196,9 +207,10 @@ class TargetWorker:
         return rotary(h, pos[None].expand(3, 1, -1) if hasattr(rotary, "mrope_section") else pos)
 
     def _forward(self, x: torch.Tensor, pos: torch.Tensor, masks: dict, before: torch.Tensor | None = None,
-                 eager: bool = False) -> torch.Tensor:
+                 eager: bool = False, cat: bool = True) -> torch.Tensor | list[torch.Tensor]:
         """`before`: the captured columns the previous stages sent. Returns what this stage passes on
-        (class docstring). `eager`: the layers uncompiled whatever the scope (check_compiled)."""
+        (class docstring), or (`cat=False`) its column blocks in order. `eager`: the layers uncompiled
+        whatever the scope (check_compiled)."""
         h, pos, rope = self.embed(x, pos)
         captured = []
         for i in range(*self.stage_layers):
@@ -206,7 +218,20 @@ class TargetWorker:
             if i in self._captures:
                 captured.append((h if i != self._last or self.final_norm is None else self.final_norm(h))[0])
         parts = ([] if self.last_stage else [h[0]]) + ([] if before is None else [before]) + captured
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1) if cat else parts
+
+    def _graphed(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, before: torch.Tensor | None
+                 ) -> list[torch.Tensor]:
+        """What the CUDA graph captures: the row's ranges and the forward, up to the column blocks
+        (concatenated outside it, into a tensor of the caller's own)."""
+        return self._forward(x, pos, self.masks(docs), before, cat=False)
+
+    def describe_graph(self) -> str:
+        if self.graph is None:
+            return f"off ({self.graph_why})"
+        if self.graph.failed is not None:
+            return f"off (the capture failed: {self.graph.failed})"
+        return "on (the forward is replayed as one CUDA graph)"
 
     def masks(self, docs: torch.Tensor) -> dict:
         """The packed-document mask per layer type (linear-attention layers, and all layers under
@@ -231,6 +256,8 @@ class TargetWorker:
 
     def _capture(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, docs_host: torch.Tensor,
                  before: torch.Tensor | None = None) -> torch.Tensor:
+        if self.graph is not None:  # no linear-attention spans where there is a graph (graph.unsupported)
+            return torch.cat(self.graph(x, pos, docs, before), dim=-1)
         with documents(self.spans(docs_host)):
             return self._run(x, pos, self.masks(docs), before)
 
@@ -295,6 +322,7 @@ class TargetWorker:
                         "(mean relative, tolerance %.0e): running the target eager. target.compile=false "
                         "skips the compile and this check.", name, rel, tol)
             self.compiled, self._run, self._calls = False, self._forward, self._eager_calls
+            # The graph captures `_calls` as they are when it first runs, after this: eager layers now.
         else:
             log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)", name,
                      *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol)

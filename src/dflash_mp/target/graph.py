@@ -1,0 +1,107 @@
+"""The target's forward replayed as one CUDA graph (`target.cuda_graph`, on by default).
+
+A packed row has one shape for the whole run, so the forward (the row's visible ranges, the
+embedding, every decoder layer and its kernels) is the same ~700 launches each time. Launched from
+Python they cost the GPU its first milliseconds of every forward (the host starts it) and a gap
+before many kernels; where the target takes turns with a drafter at one GPU (gpu_turns.py) each of
+those milliseconds is the whole job's. Captured once, a forward is a few input copies and one
+graph launch.
+
+What can be captured: nothing in the forward may read a tensor's value on the host. The Triton
+packed-document attention (doc_attn.py) builds its ranges on the GPU and launches fixed grids;
+linear-attention layers take the row's document spans as host data (linear_attn.py), and MoE
+layers in transformers pick their experts with data-dependent shapes, so those targets, and the
+other attention kernels, whose masks were not built for capture, run uncaptured (`unsupported`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Config keys of routed experts: a target with any of them > 0 is a MoE.
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def unsupported(device: torch.device, attention: str, linear: bool, config, compile_scope: str) -> str | None:
+    """Why this target's forward cannot be captured (None: it can). `attention`: the implementation
+    the worker runs ("triton", "flex_attention", ...); `linear`: it has linear-attention layers."""
+    if device.type != "cuda":
+        return "no GPU"
+    if attention != "triton":
+        return (f"attention {attention}: the capture is made for the Triton kernel "
+                "(target.attn_implementation=auto or triton)")
+    if linear:
+        return "its linear-attention layers take the row's document spans as host data"
+    text = config.get_text_config()
+    if any((getattr(text, k, None) or 0) > 0 for k in _EXPERT_KEYS):
+        return "its MoE layers pick their experts with data-dependent shapes"
+    if compile_scope != "layers":
+        return f"compile_scope={compile_scope} (compared, not captured)"
+    return None
+
+
+class ForwardGraph:
+    """Replays `fn(*inputs) -> list of tensors` as a CUDA graph, one per input signature (shapes and
+    dtypes; None for an absent input).
+
+    A signature's first call runs `fn` as it is (its result is returned) and then captures it: a
+    warm-up on the capture stream first, so that lazy set-up (cuBLAS workspaces, kernel loads) does
+    not happen inside the capture. Later calls copy their inputs into the graph's and replay it. The
+    tensors a replay returns are the graph's own and the next replay overwrites them: the caller
+    copies them out (TargetWorker concatenates them into the batch it sends). A capture that fails
+    is logged and the forward runs uncaptured from then on.
+    """
+
+    def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device, what: str = "target forward"):
+        self.fn, self.device, self.what = fn, device, what
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every signature's graph
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, list[torch.Tensor]]] = {}
+        self.failed: str | None = None
+        self.replays = 0
+
+    @staticmethod
+    def signature(inputs) -> tuple:
+        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
+
+    def __call__(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
+        if self.failed is not None:
+            return self.fn(*inputs)
+        key = self.signature(inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            out = self.fn(*inputs)
+            self._capture(key, inputs)
+            return out
+        graph, static, outputs = entry
+        for s, t in zip(static, inputs):
+            if s is not None:
+                s.copy_(t, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return outputs
+
+    def _capture(self, key: tuple, inputs) -> None:
+        static = [None if t is None else t.clone() for t in inputs]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self.fn(*static)
+            # thread_local: other threads of the process (transport, liveness) may touch CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = self.fn(*static)
+        except RuntimeError as e:
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            log.warning("%s: the CUDA graph capture failed (%s); running uncaptured. target.cuda_graph=false skips "
+                        "the capture.", self.what, self.failed)
+            return
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.graphs[key] = (graph, static, list(outputs))
+        log.info("%s: captured as a CUDA graph for inputs %s", self.what,
+                 ", ".join("-" if k is None else str(list(k[0])) for k in key))
