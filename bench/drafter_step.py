@@ -22,7 +22,7 @@ import torch
 
 from common import DRAFTERS, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
-from flex_tiles import VARIANTS as TILES
+from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
@@ -42,15 +42,16 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     (FlatAdamW.collect), as with CUDA graphs or data parallelism (the default, one GPU without CUDA
     graphs: the update reads `.grad` itself, no copy, no buffer); `+serial` train.optimizer_overlap
     =false (the update runs after backward on the compute stream, not per layer on a side stream);
-    `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto)."""
+    `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto);
+    `+btiles=NAME` the Triton block kernels' tiles of bench/flex_tiles.py's TRITON_VARIANTS[NAME]."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "ce", "amp", "tiles", "addgrads", "flatgrads", "serial", "attn") or (
-                key in ("tiles", "ce", "attn")) != bool(val):
+        if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn") or (
+                key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             "+serial or +tiles=NAME")
+                             f"+serial, +tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -129,7 +130,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         phases.append(tr.phase_ms())
     fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
     serial = not tr.opt.on_side_stream  # else the update is not in the optimizer phase
-    prof = kernel_profile(step, device) if device.type == "cuda" else None
+    prof = kernel_profile(step, device, top=60) if device.type == "cuda" else None
     if prof is not None and sources:
         try:
             prof["sources"] = kernel_sources(step, device)
@@ -207,11 +208,18 @@ def main() -> None:
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
     results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
+    from dflash_mp.model import block_attn
+
     for mode in a.modes.split(","):
         try:
+            btiles = parse_mode(mode)[1].get("btiles")
+            if btiles:  # the block kernels read their tiles at each launch: set for this mode's run only
+                block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[btiles]))
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
+        finally:
+            block_attn.TILES.update(DEFAULT_TILES)
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)
