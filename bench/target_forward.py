@@ -12,7 +12,8 @@ norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it o
 always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-document kernel
 (target.attn_implementation=triton, the GPU default), inside the compiled layers; a suffix
 `@mMnNwWsS` runs it with BLOCK_M=M, BLOCK_N=N, W warps, S stages instead of `doc_attn.TILES`.
-`-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
+`-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
+descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
@@ -75,6 +76,8 @@ def main() -> None:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
                 doc_attn.TILES[c["head_dim"]] = tuple(int(x) for x in tiles.groups())
+            if re.search(r"-ptr(-|@|$)", v):
+                doc_attn.USE_TMA = False
             if v.startswith("full"):
                 assert not truncated, "full-* variants must come before trunc-* ones"
                 model.config._attn_implementation = "flex_attention"
@@ -121,6 +124,7 @@ def main() -> None:
         finally:
             doc_attn.TILES.clear()
             doc_attn.TILES.update(default_tiles)
+            doc_attn.USE_TMA = None
         res["variants"].append(r)
         print(r, flush=True)
         write_json(res, "target_qwen3_8b.json" if not a.tiny else "target_tiny.json")

@@ -126,6 +126,7 @@ def test_key_tiles_that_do_not_divide_the_query_tiles_are_refused(monkeypatch):
 def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False, q_layout="thd"):
     """The kernel's output against fp32 dense sdpa on the document mask: relative L2 error.
     `q_layout="htd"`: q, k, v are [H, T, D] tensors handed over as [T, H, D] views (transformers' layout)."""
+    from dflash_mp.target import doc_attn
     from dflash_mp.target.doc_attn import doc_attention
 
     docs = doc_ids(T, lens).to(device)
@@ -133,6 +134,7 @@ def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, comp
     q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
     if q_layout == "htd":
         q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+    assert doc_attn.USE_TMA is not True or doc_attn._use_tma(k, v)  # forced: the descriptors can take these
     rows = doc_rows(docs, D, window)
     fn = torch.compile(doc_attention, fullgraph=True) if compiled else doc_attention
     out = fn(q, k, v, rows)
@@ -147,10 +149,12 @@ def check_kernel() -> None:
     from dflash_mp.target import doc_attn
 
     doc_attn.TILES.update(SMALL_TILES)
-    for case in CASES:
-        for layout in ("thd", "htd"):
-            err = compare(*case, q_layout=layout)
-            assert err < 1e-5, (case, layout, err)
+    for tma in (False, True):  # key/value tiles through pointers, then through tensor descriptors
+        doc_attn.USE_TMA = tma
+        for case in CASES:
+            for layout in ("thd", "htd"):
+                err = compare(*case, q_layout=layout)
+                assert err < 1e-5, (tma, case, layout, err)
     doc_attn.TILES[64] = (32, 32, 4, 1)  # key tiles as large as the query tiles
     err = compare(*CASES[0])
     assert err < 1e-5, err
@@ -202,11 +206,19 @@ def test_a_target_through_the_kernel_equals_the_sdpa_one_in_the_triton_interpret
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("window", [None, 300])
 def test_the_kernel_equals_dense_attention_on_cuda(D, window):
-    """bf16 at the real tiles, eager and compiled, GQA of 4 and T not a tile multiple."""
-    for compiled in (False, True):
-        err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16, compiled=compiled,
-                      q_layout="htd")
-        assert err < 1e-2, (compiled, err)
+    """bf16 at the real tiles, eager and compiled, GQA of 4 and T not a tile multiple; key/value tiles
+    through tensor descriptors (the default on sm_90+) and through pointers."""
+    from dflash_mp.target import doc_attn
+
+    try:
+        for tma in (None, False):
+            doc_attn.USE_TMA = tma
+            for compiled in (False, True):
+                err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16,
+                              compiled=compiled, q_layout="htd")
+                assert err < 1e-2, (tma, compiled, err)
+    finally:
+        doc_attn.USE_TMA = None
 
 
 @pytest.mark.gpu

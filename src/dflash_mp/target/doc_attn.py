@@ -34,6 +34,10 @@ from ..triton_launch import input_precision, last_dim_dense, launch
 # 64 and 256 follow from it, unmeasured.
 TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 64, 4, 2)}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
+# Key/value tiles loaded through tensor descriptors (TMA), where the GPU has the copy engine for them
+# (sm_90 and later) and the layout allows (16-byte aligned base and strides); None decides so, True or
+# False forces it (tests run both paths in Triton's interpreter; benches compare them).
+USE_TMA: bool | None = None
 
 
 def unsupported(head_dim: int, dtype: torch.dtype) -> str | None:
@@ -80,12 +84,29 @@ def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: tor
 
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    tma = _use_tma(k, v)
+    kk, vv = (_descriptor(x, block_n) for x in (k, v)) if tma else (k, v)
     launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
-           (q, k, v, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+           (q, kk, vv, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),
-           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q)),
+           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q), TMA=tma),
            warps, stages, q.device)
     return out
+
+
+def _use_tma(*xs: torch.Tensor) -> bool:
+    aligned = all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in xs)
+    if USE_TMA is not None:
+        return USE_TMA and aligned
+    x = xs[0]
+    return aligned and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _descriptor(x: torch.Tensor, block_n: int):
+    """A tensor descriptor over `[T, Hkv, D]` whose box is one KV head's `block_n` keys."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, 1, x.shape[2]])
 
 
 @doc_attention_op.register_fake
