@@ -29,10 +29,9 @@ from ..triton_launch import input_precision, last_dim_dense, launch
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
 # diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
-# GPU time of one layer): 64 rows over 64 keys, 4 warps, 2 or 3 stages 0.121 ms; 128 over 64, 8 warps
-# 0.135-0.137; 128 over 128, 8 warps 0.146-0.148; 128 over 64, 4 warps 0.280; flex_attention 0.173.
-# 64 and 256 follow from it, unmeasured.
-TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 64, 4, 2)}
+# GPU time of one layer, BENCHMARKS.md): 64 rows over 32 keys, 4 warps, 3 stages the fastest; 64 over 64
+# next; 128-row tiles with 8 warps and flex_attention slower. 64 and 256 follow from it, unmeasured.
+TILES = {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 3)}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
 # Key/value tiles loaded through tensor descriptors (TMA), where the GPU has the copy engine for them
 # (sm_90 and later) and the layout allows (16-byte aligned base and strides); None decides so, True or
