@@ -291,8 +291,8 @@ def test_bf16_working_weights_follow_fp32_master_weights(direct):
         assert any(not torch.equal(r.detach().bfloat16().float(), r.detach()) for r in ref)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the GPU kernel needs a GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU kernel needs a GPU")])])
 def test_compiled_update_equals_eager_update(device):
     torch.set_default_device(device)
     try:

@@ -14,7 +14,8 @@ from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, Tr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import synthetic_batch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled steps are checked on CUDA")]
 
 
 def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True, direct: bool = True,
