@@ -97,10 +97,10 @@ def main() -> None:
                 attn = ("sdpa" if "sdpa" in v else "varlen" if "varlen" in v else "triton" if "triton" in v
                         else "flex_attention")
                 model.config._attn_implementation = attn
+                graphed = re.search(r"-graph(@|$)", v) is not None
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
-                                      flex_in_graph=v.endswith("ingraph"),
-                                      cuda_graph=re.search(r"-graph(@|$)", v) is not None)
-                if worker.graph is None and re.search(r"-graph(@|$)", v):
+                                      flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed)
+                if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731
                 f = flops(max(layer_ids) + 1, False)

@@ -38,6 +38,24 @@ def worker_with(model, attn, device, compile=False):
     return TargetWorker(model, [1, 2, 3], device, compile=compile)
 
 
+def check_against_sdpa(model, attn, rows, packing_lengths):
+    """A CPU worker through `attn` captures what the sdpa worker does on `rows`, eager and compiled; its
+    packing check passes; compiled, rows of other document counts compile nothing new. Returns the
+    eager worker and the graphs compiled so far (compile_stats.counts)."""
+    want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
+    eager = worker_with(model, attn, CPU)
+    for pb, w in zip(rows, want):
+        torch.testing.assert_close(eager.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
+    eager.check_packing(lengths=packing_lengths)
+    compiled = worker_with(model, attn, CPU, compile=True)
+    torch.testing.assert_close(compiled.forward(rows[0]).hidden, want[0], rtol=1e-4, atol=1e-5)
+    graphs = counts()["graphs"]
+    for pb, w in zip(rows[1:], want[1:]):
+        torch.testing.assert_close(compiled.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
+    assert counts()["graphs"] == graphs
+    return eager, graphs
+
+
 # ------------------------------------------------------------------------------ the row's bounds
 @pytest.mark.parametrize("docs,bounds", [
     ([0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 3, 5, 9]),  # several documents, no padding
@@ -192,19 +210,9 @@ def test_the_worker_runs_varlen_on_the_rows_documents(reference_kernel, window):
     without a new graph (the bounds never enter the graph); the packing check passes."""
     model = tiny_qwen3(CPU, torch.float32, window)
     rows = [packed([7, 12, 5], 32, 96), packed([3, 9, 4, 6, 2], 32, 96, seed=1), packed([32], 32, 96, seed=2)]
-    want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
-    eager = worker_with(model, "varlen", CPU)
+    eager, _ = check_against_sdpa(model, "varlen", rows, (16, 24))
     assert eager.varlen and model.config._attn_implementation == VARLEN_OUTSIDE_GRAPH
     assert eager.masks(rows[0].doc_ids) == {t: None for t in eager.masks(rows[0].doc_ids)}
-    for pb, w in zip(rows, want):
-        torch.testing.assert_close(eager.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
-    eager.check_packing(lengths=(16, 24))
-    compiled = worker_with(model, "varlen", CPU, compile=True)
-    torch.testing.assert_close(compiled.forward(rows[0]).hidden, want[0], rtol=1e-4, atol=1e-5)
-    graphs = counts()["graphs"]
-    for pb, w in zip(rows[1:], want[1:]):
-        torch.testing.assert_close(compiled.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
-    assert counts()["graphs"] == graphs
 
 
 def test_the_varlen_function_runs_only_inside_the_worker(reference_kernel):

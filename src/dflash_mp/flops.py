@@ -67,14 +67,15 @@ def causal_pairs_packed(doc_lengths: list[int]) -> float:
     return float(sum(n * (n + 1) // 2 for n in doc_lengths))
 
 
-def _num_experts(config: dict) -> int:
+def num_experts(config: dict) -> int:
+    """The routed experts of a decoder config dict (0: no MoE layers)."""
     return config.get("num_experts") or config.get("num_local_experts") or 0
 
 
 def is_sparse_layer(config: dict, i: int) -> bool:
     """Layer `i` of a mixture-of-experts config routes its MLP (Qwen3-MoE's `mlp_only_layers` and
     `decoder_sparse_step` rules; every layer of a model without them)."""
-    if not _num_experts(config) or i in (config.get("mlp_only_layers") or []):
+    if not num_experts(config) or i in (config.get("mlp_only_layers") or []):
         return False
     return (i + 1) % (config.get("decoder_sparse_step") or 1) == 0
 
@@ -107,7 +108,7 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
             pairs = min(causal_pairs, float(tokens * window))
     if is_sparse_layer(config, i):
         per_token += 2 * 3 * h * config["moe_intermediate_size"] * config["num_experts_per_tok"]
-        per_token += 2 * 3 * h * (config.get("shared_expert_intermediate_size") or 0) + 2 * h * _num_experts(config)
+        per_token += 2 * 3 * h * (config.get("shared_expert_intermediate_size") or 0) + 2 * h * num_experts(config)
     else:
         per_token += 2 * 3 * h * config["intermediate_size"]
     return float(tokens * per_token + 4 * heads * head_dim * pairs)

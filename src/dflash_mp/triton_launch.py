@@ -5,6 +5,7 @@ comes without it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -21,6 +22,12 @@ def available(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def has_tma(device: torch.device) -> bool:
+    """Whether `device` loads tiles through tensor descriptors in hardware (TMA: sm_90 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def input_precision(x: torch.Tensor) -> str:

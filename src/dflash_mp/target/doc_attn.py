@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import input_precision, last_dim_dense, launch
+from ..triton_launch import has_tma, input_precision, last_dim_dense, launch
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
 # diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
@@ -97,8 +97,7 @@ def _use_tma(*xs: torch.Tensor) -> bool:
     aligned = all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in xs)
     if USE_TMA is not None:
         return USE_TMA and aligned
-    x = xs[0]
-    return aligned and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return aligned and has_tma(xs[0].device)
 
 
 def _descriptor(x: torch.Tensor, block_n: int):

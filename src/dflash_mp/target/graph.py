@@ -21,10 +21,9 @@ from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from ..flops import num_experts
 
-# Config keys of routed experts: a target with any of them > 0 is a MoE.
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+log = logging.getLogger(__name__)
 
 
 def unsupported(device: torch.device, attention: str, linear: bool, config, compile_scope: str) -> str | None:
@@ -37,8 +36,7 @@ def unsupported(device: torch.device, attention: str, linear: bool, config, comp
                 "(target.attn_implementation=auto or triton)")
     if linear:
         return "its linear-attention layers take the row's document spans as host data"
-    text = config.get_text_config()
-    if any((getattr(text, k, None) or 0) > 0 for k in _EXPERT_KEYS):
+    if num_experts(config.get_text_config().to_dict()):
         return "its MoE layers pick their experts with data-dependent shapes"
     if compile_scope != "layers":
         return f"compile_scope={compile_scope} (compared, not captured)"
@@ -57,8 +55,8 @@ class ForwardGraph:
     is logged and the forward runs uncaptured from then on.
     """
 
-    def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device, what: str = "target forward"):
-        self.fn, self.device, self.what = fn, device, what
+    def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device):
+        self.fn, self.device = fn, device
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every signature's graph
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, list[torch.Tensor]]] = {}
@@ -98,10 +96,10 @@ class ForwardGraph:
                 outputs = self.fn(*static)
         except RuntimeError as e:
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log.warning("%s: the CUDA graph capture failed (%s); running uncaptured. target.cuda_graph=false skips "
-                        "the capture.", self.what, self.failed)
+            log.warning("target forward: the CUDA graph capture failed (%s); running uncaptured. "
+                        "target.cuda_graph=false skips the capture.", self.failed)
             return
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.graphs[key] = (graph, static, list(outputs))
-        log.info("%s: captured as a CUDA graph for inputs %s", self.what,
+        log.info("target forward: captured as a CUDA graph for inputs %s",
                  ", ".join("-" if k is None else str(list(k[0])) for k in key))

@@ -137,7 +137,7 @@ class TargetWorker:
             raise ValueError(f"compile_scope={compile_scope!r}: use layers or forward")
         self.graph: ForwardGraph | None = None
         self.graph_why = "target.cuda_graph=false" if not cuda_graph else graph_unsupported(
-            torch.device(device), named, bool(self.linear or self.varlen), config, compile_scope)
+            torch.device(device), named, bool(self.linear), config, compile_scope)
         if self.graph_why is None:
             self.graph = ForwardGraph(self._graphed, torch.device(device))
 
