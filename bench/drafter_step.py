@@ -43,15 +43,18 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     graphs: the update reads `.grad` itself, no copy, no buffer); `+serial` train.optimizer_overlap
     =false (the update runs after backward on the compute stream, not per layer on a side stream);
     `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto);
-    `+btiles=NAME` the Triton block kernels' tiles of bench/flex_tiles.py's TRITON_VARIANTS[NAME]."""
+    `+btiles=NAME` the Triton block kernels' tiles of bench/flex_tiles.py's TRITON_VARIANTS[NAME];
+    `+nograph` train.cuda_graph=false (every step launched from Python; the default captures the
+    step as one CUDA graph at step 3 where it can, step_graph.py)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn") or (
+        if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
+                       "nograph") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
+                             f"+serial, +nograph, +tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -84,7 +87,7 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     obj = DFlashObjective(drafter, args, embed, head, cfg)
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
-                      optimizer_overlap="serial" not in flags)
+                      optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
     return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
                           direct_grads="flatgrads" not in flags)
 
@@ -128,8 +131,10 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         tr.train_step(batches[i[0] % len(batches)], timed=True)
         i[0] += 1
         phases.append(tr.phase_ms())
-    fb, op = [ph["fwd_bwd"] for ph in phases], [ph["optimizer"] for ph in phases]
-    serial = not tr.opt.on_side_stream  # else the update is not in the optimizer phase
+    # A replayed step is one phase ("step"): forward, backward and update inside one graph.
+    fb, op = [ph.get("fwd_bwd") for ph in phases], [ph.get("optimizer") for ph in phases]
+    whole = [ph["step"] for ph in phases if "step" in ph]
+    serial = not tr.opt.on_side_stream and not whole  # else the update is not in the optimizer phase
     prof = kernel_profile(step, device, top=60) if device.type == "cuda" else None
     if prof is not None and sources:
         try:
@@ -147,7 +152,9 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "cudagraph_replay_misses_after_warmup": {k: v - m0.get(k, 0) for k, v in m1.items() if v > m0.get(k, 0)},
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-        "fwd_bwd_ms": median(fb), "optimizer_ms": median(op),
+        "fwd_bwd_ms": None if whole else median(fb), "optimizer_ms": None if whole else median(op),
+        "graph_step_ms": median(whole) if whole else None,
+        "cuda_graph": tr.describe_graph(), "graph_replays": tr.graph.replays if tr.graph else 0,
         "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9 if serial else None,
         "optimizer_overlap": not serial,
         "direct_grads": tr.opt.direct,  # the update read `.grad` (no flat gradient buffer)
@@ -250,14 +257,15 @@ def main() -> None:
         write_json(results, f"drafter_{a.preset}_{a.scope}.json")
     print(f"\n{a.preset} on {results['device']} (torch {torch.__version__})")
     print(f"{'mode':26} {'ms/step':>9} {'sync ms':>8} {'samples/s':>10} {'MFU':>6} {'recomp':>7} {'cg-rec':>7} "
-          f"{'peakGiB':>8} {'fb ms':>7} {'opt ms':>7} {'opt TB/s':>8}")
+          f"{'peakGiB':>8} {'fb ms':>7} {'opt ms':>7} {'opt TB/s':>8} {'graph':>6}")
     for r in results["modes"]:
         if "error" in r:
             print(f"{r['mode']:26} ERROR {r['error'][:100]}")
             continue
         print(f"{r['mode']:26} {r['ms_per_step']:9.2f} {r['ms_per_step_synced']:8.2f} {r['samples_per_s']:10.2f} "
               f"{r['mfu']:6.3f} {r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} "
-              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms']:7.1f} {r['optimizer_ms']:7.1f} {r['optimizer_tb_per_s'] or 0:8.2f}")
+              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms'] or 0:7.1f} {r['optimizer_ms'] or 0:7.1f} "
+              f"{r['optimizer_tb_per_s'] or 0:8.2f} {r['graph_replays']:6d}")
     if "loss_match" in results:
         print("loss match:", results["loss_match"])
     for r in results["modes"]:

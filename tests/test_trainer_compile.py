@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True, direct: bool = True,
-          clip: float = 1.0) -> DrafterTrainer:
+          clip: float = 1.0, graph: bool = False) -> DrafterTrainer:
+    """`graph`: train.cuda_graph (off here unless a test is about it: the others check launched steps)."""
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
@@ -32,7 +33,7 @@ def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True, dire
     obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=loss, warmup_ratio=0.0,
-                      optimizer_overlap=overlap, grad_clip=clip)
+                      optimizer_overlap=overlap, grad_clip=clip, cuda_graph=graph)
     return DrafterTrainer(obj, cfg, 100, None, dev, direct_grads=direct)
 
 
@@ -132,6 +133,44 @@ def test_updates_on_a_side_stream_give_the_same_weights(mode):
         runs.append(([float(x) for x in losses], tr.opt.named_master(), tr.opt.exp_avg_sq.clone()))
     (l1, m1, v1), (l2, m2, v2) = runs
     assert l1 == l2
+    assert torch.equal(v1, v2)
+    for name in m1:
+        assert torch.equal(m1[name], m2[name]), name
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_the_step_replayed_as_a_cuda_graph_equals_the_launched_one(mode):
+    """Captured at step 3, replayed from then on: every step's loss, the weights, the moments and the
+    interval's sums equal those of steps launched one by one (the random anchors included: the graph
+    draws from the generator's graph-safe state), with no host sync and no recompile in the replays."""
+    batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
+    runs = []
+    for graph in (True, False):
+        tr = build(mode, "layers", "triton", overlap=False, graph=graph)
+        assert (tr.graph is not None) == graph and not tr.opt.on_side_stream
+        torch.manual_seed(7)
+        losses = []
+        try:
+            for i in range(7):
+                if i == 4:  # captured at step 3: from here on only replays (or launched steps)
+                    torch.cuda.synchronize()
+                    warm = counts()["graphs"]
+                    torch.cuda.set_sync_debug_mode("error")
+                tr.train_step(batches[i % 3])
+                losses.append(tr.stats.loss.clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert counts()["graphs"] == warm
+        if graph:
+            assert tr.graph.replays == 5 and tr.describe_graph().startswith("on"), tr.describe_graph()
+        stats = tr.stats.pop()
+        runs.append(([float(x) for x in losses], tr.opt.named_master(), tr.opt.exp_avg_sq.clone(), stats,
+                     tr.step, float(tr.opt.step)))
+    (l1, m1, v1, s1, n1, k1), (l2, m2, v2, s2, n2, k2) = runs
+    assert l1 == l2 and n1 == n2 == 7 and k1 == k2 == 7.0
+    assert s1["steps"] == s2["steps"] == 7 and s1["valid_tokens"] == s2["valid_tokens"] > 0
+    for key in ("loss_sum", "gnorm_sum", "tau_sum", "blocks", "slot_correct_3"):
+        assert float(s1[key]) == float(s2[key]), key
     assert torch.equal(v1, v2)
     for name in m1:
         assert torch.equal(m1[name], m2[name]), name

@@ -169,7 +169,8 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
             out = drafter(hb.hidden, F.embedding(block_ids, embed).to(hb.hidden.dtype), hb.position_ids, block_pos,
                           attn)
             loss, correct = dflash_loss(out, head, labels, label_mask, weights, job.drafter.loss_chunk_size)
-            stats.add(loss, correct, label_mask, torch.zeros(()), hb.num_valid_tokens)
+            stats.add(loss, correct, label_mask, torch.zeros(()))
+            stats.count(hb.num_valid_tokens)
             lead = (correct & label_mask)[:, 1:].long().cumprod(dim=1).sum(dim=1)
             accept[group] = 1 + lead[:n]
         path_blocks += walk_decode_path(accept, hb.loss_mask, hb.doc_ids, cand)

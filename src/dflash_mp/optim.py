@@ -342,10 +342,21 @@ class FlatAdamW:
             return list(self.grad_views)
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def step_(self, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_lr(self) -> None:
+        """Copy `self.lr` into the 0-d tensor the update reads (`step_` does it unless told not to)."""
+        self._lr.fill_(self.lr)
+
+    def reset_grads(self) -> None:
+        """Forget the gradients of a step that never ran (a failed CUDA graph capture left them)."""
+        self._zeros.clear()
+        self._held = [None] * len(self._segments)
+        self._fresh = True
+
+    def step_(self, clip: float, load_lr: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip to global norm `clip` (0: no clipping) and update at `self.lr`; the next backward's
         gradients then replace this step's. Returns the pre-clip norm of the group-mean gradient and 1.0 if
-        the step was skipped, as 0-d tensors. No host sync."""
+        the step was skipped, as 0-d tensors. No host sync. `load_lr=False`: the caller has called
+        `load_lr()` (a captured step must not record the rate's value)."""
         self.wait_all()
         if self.direct:
             grads = self._take_grads()
@@ -355,7 +366,8 @@ class FlatAdamW:
         skip = (~torch.isfinite(gnorm)).float()
         # Clipping multiplies by clip / (norm + 1e-6) when that is < 1, as clip_grad_norm_ does.
         divisor = (gnorm + 1e-6).div(clip).clamp(min=1.0) * self.world if clip > 0 else gnorm.new_full((), self.world)
-        self._lr.fill_(self.lr)
+        if load_lr:
+            self.load_lr()
         self.step.add_(1 - skip)
         side = self._stream
         if side is not None:

@@ -272,9 +272,10 @@ def build_trainer(ctx: RunContext, num_steps: int):
     embed, head = load_target_head(ctx.target_path, ctx.dtype, ctx.device)
     objective = DFlashObjective(drafter, args, embed, head, job.drafter)
     trainer = DrafterTrainer(objective, job.train, num_steps, ctx.topo.drafter_group, ctx.device)
-    log.info("drafter step: compile %s (%s scope), %s weights, loss kernel %s, optimizer update %s",
+    log.info("drafter step: compile %s (%s scope), %s weights, loss kernel %s, optimizer update %s, CUDA graph %s",
              trainer.mode, job.train.compile_scope, trainer.precision, trainer.loss_kernel,
-             "per layer on a side stream" if trainer.opt.on_side_stream else "after backward")
+             "per layer on a side stream" if trainer.opt.on_side_stream else "after backward",
+             trainer.describe_graph())
     # Anchor sampling differs per drafter rank, reproducibly.
     torch.manual_seed(job.train.seed + 1 + ctx.topo.role_rank)
     return trainer, args
@@ -488,7 +489,8 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
                  ("drafter attention", trainer.objective.attention),
-                 ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward")]
+                 ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward"),
+                 ("drafter step as a CUDA graph", trainer.describe_graph())]
     if args is not None:
         rows += [("drafter layers / hidden / heads / kv heads / head dim",
                   f"{args.num_layers} / {args.hidden_size} / {args.num_heads} / {args.num_kv_heads} / {args.head_dim}"),

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,6 +34,7 @@ from .model import ce_kernels
 from .model.loss import LOSS_KERNELS
 from .optim import FlatAdamW
 from .options import resolve_auto
+from .step_graph import CAPTURE_AT, StepGraph, unsupported as graph_unsupported
 from .target import TargetSpec
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,9 @@ class TrainConfig:
     #   in training steps only (never evaluation or export), so the drafter tolerates features that
     #   differ a little from the ones it trained on (another kernel, dtype or batch at serving time)
     feature_noise_scale: float = 0.05  # noise std relative to each token's per-layer feature RMS
+    cuda_graph: bool = True  # CUDA, one drafter replica: the whole step (forward, backward, clipping,
+    #   AdamW) is captured as one CUDA graph after two launched steps and replayed from then on
+    #   (step_graph.py); where it cannot be, the choices table says why
 
 
 FEATURE_NOISE = ("none", "uniform", "gaussian")
@@ -256,16 +261,22 @@ class DrafterTrainer:
         self.autocast = self.precision != "fp32"
         # Rebinds the parameters to its flat buffers, so it comes before compiling.
         named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
+        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self.graph_why = "train.cuda_graph=false" if not cfg.cuda_graph else graph_unsupported(
+            device, self.mode, world, objective.attention)
         # The drafter's forward runs in Python between layers only in eager mode and layers scope:
         # there it can wait for each layer's update just before the layer runs. Not with CUDA
         # graphs: the 8B step went from 126 to 152 ms there, its graphs re-recorded (BENCHMARKS.md).
-        overlap = cfg.optimizer_overlap and self.mode != "reduce-overhead" and (
+        # Not in a captured step either: there the update runs after backward, in the graph.
+        overlap = cfg.optimizer_overlap and self.mode != "reduce-overhead" and self.graph_why is not None and (
             self.mode == "eager" or cfg.compile_scope == "layers")
         self.opt = FlatAdamW(named, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                              dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32, group=group,
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
                              write_grads=write_grads,  # False: the older add-into-.grad scheme (bench)
-                             segments=_layer_segments([n for n, _ in named]) if overlap else None,
+                             # Per layer also in a captured step: identical layers share one compiled update.
+                             segments=_layer_segments([n for n, _ in named]) if overlap or self.graph_why is None
+                             else None,
                              side_stream=overlap, overlap_reduce=cfg.allreduce_overlap,
                              # Under CUDA graphs `.grad` may live in a graph's output pool, which the
                              # next replay overwrites: copy it into the flat buffer at once there.
@@ -286,6 +297,15 @@ class DrafterTrainer:
         b = objective.args.block_size
         self.stats = IntervalStats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step
+        self.graph = StepGraph(device) if self.graph_why is None else None
+
+    def describe_graph(self) -> str:
+        """The step as a CUDA graph, for the choices table and the log."""
+        if self.graph is None:
+            return f"off ({self.graph_why})"
+        if self.graph.failed:
+            return f"capture failed ({self.graph.failed}); launched"
+        return f"on (captured at this process's step {CAPTURE_AT}, replayed from then on)"
 
     def train_step(self, hb: HiddenBatch, timed: bool = False, after_backward=None) -> float:
         """One optimizer step on this rank's batch; gradients averaged over the drafter group.
@@ -294,6 +314,42 @@ class DrafterTrainer:
         `after_backward`: called between this rank's backward and the gradient all-reduce.
         """
         lr = self.set_lr()
+        if self.graph is None:
+            self._launched_step(hb, timed, after_backward)
+            return lr
+        with self.graph.on_stream():
+            if self.graph.launching or after_backward is not None or not self._replay(hb, timed):
+                self._launched_step(hb, timed, after_backward)
+                self.graph.launched()
+        return lr
+
+    def _replay(self, hb: HiddenBatch, timed: bool) -> bool:
+        """This step as the captured graph (captured now if it is not yet); False if the capture failed."""
+        marks = _Marks(self.device) if timed else None
+        self.opt.load_lr()  # outside the graph, which reads the 0-d tensor
+        if not self.graph.run(self._graph_body, [hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask],
+                              undo=self._undo_capture):
+            return False
+        self.stats.count(hb.num_valid_tokens)
+        self.step += 1
+        if marks:
+            marks.add("step")
+            self._marks = marks
+        return True
+
+    def _graph_body(self, hidden, input_ids, position_ids, doc_ids, loss_mask) -> None:
+        """The device work of one step, as the graph records it."""
+        self._forward_backward(hidden, input_ids, position_ids, doc_ids, loss_mask)
+        gnorm, skipped = self.opt.step_(self.cfg.grad_clip, load_lr=False)
+        self.stats.add_gnorm(gnorm, skipped)
+
+    def _undo_capture(self) -> None:
+        """A capture failed part-way: drop what it left on the host (gradients from its pool)."""
+        for p in self.params:
+            p.grad = None
+        self.opt.reset_grads()
+
+    def _launched_step(self, hb: HiddenBatch, timed: bool, after_backward) -> None:
         marks = _Marks(self.device) if timed else None
         self.forward_backward(hb)
         if after_backward is not None:
@@ -307,7 +363,6 @@ class DrafterTrainer:
         if marks:
             marks.add("optimizer")
             self._marks = marks
-        return lr
 
     def phase_ms(self) -> dict[str, float]:
         """{fwd_bwd, allreduce, optimizer: ms} of the last timed step, then forgotten ({} if none).
@@ -321,17 +376,23 @@ class DrafterTrainer:
         return self.opt.lr
 
     def forward_backward(self, hb: HiddenBatch, grad_scale: float = 1.0) -> torch.Tensor:
+        loss = self._forward_backward(hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, grad_scale)
+        self.stats.count(hb.num_valid_tokens)
+        return loss
+
+    def _forward_backward(self, hidden, input_ids, position_ids, doc_ids, loss_mask,
+                          grad_scale: float = 1.0) -> torch.Tensor:
+        """Forward, backward and the interval's device sums (no host state: a graph records it)."""
         # Anchor randomness is drawn eagerly (one tiny kernel), so every compile mode and the
         # one-process reference see the same anchors for the same RNG state.
-        noise = torch.rand(2, hb.input_ids.shape[0], device=self.device)
+        noise = torch.rand(2, input_ids.shape[0], device=self.device)
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, correct, label_mask, ctx_keys = self.fwd(
-                hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, noise)
+            loss, correct, label_mask, ctx_keys = self.fwd(hidden, input_ids, position_ids, doc_ids, loss_mask, noise)
         (loss * grad_scale if grad_scale != 1.0 else loss).backward()
         self.opt.collect()
-        self.stats.add(loss.detach(), correct, label_mask, ctx_keys, hb.num_valid_tokens)
+        self.stats.add(loss.detach(), correct, label_mask, ctx_keys)
         return loss.detach()
 
     def optimizer_step(self) -> None:
@@ -407,10 +468,15 @@ class IntervalStats:
         self.reset()
 
     def reset(self) -> None:
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)  # noqa: E731
-        self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
-        self.slot_correct, self.slot_count = z(self.b), z(self.b)
-        self.tau_sum, self.blocks, self.skipped = z(()), z(()), z(())
+        # Zeroed in place: a captured step (step_graph.py) adds into these very tensors.
+        if not hasattr(self, "loss"):
+            z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)  # noqa: E731
+            self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
+            self.slot_correct, self.slot_count = z(self.b), z(self.b)
+            self.tau_sum, self.blocks, self.skipped = z(()), z(()), z(())
+        else:
+            torch._foreach_zero_([self.loss, self.gnorm, self.ctx_keys, self.slot_correct, self.slot_count,
+                                  self.tau_sum, self.blocks, self.skipped])
         self.steps = 0
         self.valid_tokens = 0
 
@@ -418,7 +484,13 @@ class IntervalStats:
         self.gnorm += gnorm.double()
         self.skipped += skipped.double()
 
-    def add(self, loss, correct, label_mask, ctx_keys, valid_tokens: int) -> None:
+    def count(self, valid_tokens: int) -> None:
+        """The host's part of a step: one more step of `valid_tokens` tokens."""
+        self.steps += 1
+        self.valid_tokens += valid_tokens
+
+    def add(self, loss, correct, label_mask, ctx_keys) -> None:
+        """The device's part of a step (no host state: a captured step records it)."""
         hit = correct & label_mask
         self.loss += loss.double()
         self.ctx_keys += ctx_keys.double()
@@ -428,18 +500,17 @@ class IntervalStats:
         lead = torch.cumprod(hit[:, 1:].long(), dim=1).sum(1)
         self.tau_sum += ((1 + lead) * block_valid).sum().double()
         self.blocks += block_valid.sum().double()
-        self.steps += 1
-        self.valid_tokens += valid_tokens
 
     def pop(self) -> dict[str, torch.Tensor | float]:
-        """Per-rank sums, ready for a sum-reduction over the group."""
+        """Per-rank sums, ready for a sum-reduction over the group (copies: the sums restart at 0)."""
         out: dict[str, torch.Tensor | float] = {
-            "loss_sum": self.loss, "gnorm_sum": self.gnorm, "ctx_keys": self.ctx_keys,
-            "tau_sum": self.tau_sum, "blocks": self.blocks, "skipped": self.skipped, "steps": float(self.steps),
-            "valid_tokens": float(self.valid_tokens),
+            "loss_sum": self.loss.clone(), "gnorm_sum": self.gnorm.clone(), "ctx_keys": self.ctx_keys.clone(),
+            "tau_sum": self.tau_sum.clone(), "blocks": self.blocks.clone(), "skipped": self.skipped.clone(),
+            "steps": float(self.steps), "valid_tokens": float(self.valid_tokens),
         }
+        correct, count = self.slot_correct.clone(), self.slot_count.clone()
         for k in range(1, self.b):
-            out[f"slot_correct_{k}"] = self.slot_correct[k]
-            out[f"slot_count_{k}"] = self.slot_count[k]
+            out[f"slot_correct_{k}"] = correct[k]
+            out[f"slot_count_{k}"] = count[k]
         self.reset()
         return out
