@@ -1,30 +1,43 @@
 """Triton kernels for the fused CE over the frozen LM head: one pass over each row of logits for
-the softmax statistics, one for the gradient.
+the softmax statistics, one for the gradient (the kernels themselves are in ce_kernels_triton.py).
 
 Per chunk of R rows the logits `[R, V]` come from cuBLAS in the head's dtype. `ce_stats` reads
-them once and returns the log-sum-exp, the CE against the labels and the argmax, keeping the
-running maximum and sum per row (the online softmax) in registers. `softmax_grad_` then
-overwrites the logits with `softmax - onehot(label)`, the gradient w.r.t. the logits, in place:
-one read and one write, and no second `[R, V]` buffer. Inductor's fused chunk (the `inductor`
-loss kernel) reads the logits three times and writes the gradient once.
+them once and returns the log-sum-exp, the CE against the labels and the argmax. `softmax_grad_`
+then overwrites the logits with `softmax - onehot(label)`, the gradient w.r.t. the logits, in
+place: one read and one write, and no second `[R, V]` buffer. Inductor's fused chunk (the
+`inductor` loss kernel) reads the logits three times and writes the gradient once.
+
+The statistics pass keeps one program per row. Reducing every tile across the program's threads
+(max, argmax and sum: shuffles and a barrier each) bound it, not the bytes: the H200 read the
+logits at 2.2 TB/s that way (`STATS = "tiles"`) against 3.9 for the gradient pass. By default
+(`STATS = "lanes"`) each of the `STATS_BLOCK` lanes of a tile instead keeps its own running
+maximum, sum of exponentials and first index of its maximum over the row, with elementwise
+updates only and one exp per logit, and the lanes are combined once, after the row. With
+`"lanes-tilemax"` the lanes share one running maximum instead, reduced once per tile.
 
 The arithmetic is the PyTorch chunk's: logits promoted to fp32, `lse = max + log(sum(exp(x -
-max)))`, first index of the maximum for the argmax. Triton is imported on first use, so the
-module loads where only the CPU build of torch is installed.
+max)))` (summed in another order), first index of the maximum for the argmax. Triton is imported
+on first use, so the module loads where only the CPU build of torch is installed.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from .. import triton_launch
 
-BLOCK_V = 4096  # logits per tile: 8 KiB of bf16 per row and iteration
-STATS_WARPS = 4  # warps per row of the statistics pass (4: 0.81 ms for both passes of a 4096-row
-#   chunk on the H200, 16: 1.18, Inductor's chunk: 1.64; bench/ce_chunk.py)
+# Read at every call, so a benchmark can switch kernels and tiles between calls.
+STATS_KERNELS = ("lanes", "lanes-tilemax", "tiles")
+STATS = "lanes"  # the statistics kernel, one of STATS_KERNELS
+# Lanes of the statistics pass: 1024 over 4 warps is one 16-byte load and 8 lanes of state per
+# thread, 40 registers on sm_90, so 12 rows' programs share an SM and keep its loads in flight
+# (2048 lanes take 72). "tiles" measured best at 4096 over 4 warps (bench/ce_chunk.py).
+STATS_BLOCK = 1024
+STATS_WARPS = 4
+STATS_STAGES = 1  # "lanes": tiles in flight per program through shared memory (1: loads to registers)
+BLOCK_V = 4096  # logits per tile of the gradient pass: 8 KiB of bf16 per row
 GRAD_WARPS = 8  # warps per tile of the gradient pass
+GRAD_TILES = 1  # tiles per program of the gradient pass (1: one program per row and tile)
 
 
 def available(device: torch.device) -> bool:
@@ -32,64 +45,25 @@ def available(device: torch.device) -> bool:
     return triton_launch.available(device)
 
 
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def stats_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits + row * stride
-        cols = tl.arange(0, BLOCK)
-        m = float("-inf")  # running maximum
-        s = 0.0  # running sum of exp(x - m)
-        best = float("-inf")  # the argmax's value and index (first occurrence)
-        best_i = 0
-        for start in range(0, V, BLOCK):
-            idx = start + cols
-            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            tile_max = tl.max(x, axis=0)
-            tile_i = tl.argmax(x, axis=0, tie_break_left=True)
-            new_m = tl.maximum(m, tile_max)
-            s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
-            m = new_m
-            better = tile_max > best  # strictly: an earlier tile keeps a tie
-            best_i = tl.where(better, start + tile_i, best_i)
-            best = tl.where(better, tile_max, best)
-        lse = m + tl.log(s)
-        y = tl.load(labels + row)
-        x_y = tl.load(base + y).to(tl.float32)
-        tl.store(lse_out + row, lse)
-        tl.store(ce_out + row, lse - x_y)
-        tl.store(pred_out + row, best_i.to(tl.int64))
-
-    @triton.jit
-    def grad_kernel(logits, labels, lse_in, stride, V: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ptr = logits + row * stride + idx
-        keep = idx < V
-        x = tl.load(ptr, mask=keep, other=0.0).to(tl.float32)
-        lse = tl.load(lse_in + row)
-        y = tl.load(labels + row)
-        g = tl.exp(x - lse) - (idx == y).to(tl.float32)
-        tl.store(ptr, g.to(logits.dtype.element_ty), mask=keep)
-
-    return stats_kernel, grad_kernel
-
-
 def ce_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits `[R, V]` (rows contiguous), labels `[R]` in [0, V) -> (ce fp32, argmax int64, lse fp32)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError(f"ce_stats needs rows of contiguous logits, got strides {logits.stride()}")
+    if STATS not in STATS_KERNELS:
+        raise ValueError(f"ce_kernels.STATS={STATS!r}: use one of {STATS_KERNELS}")
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     ce = torch.empty_like(lse)
     pred = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        stats, _ = _kernels()
-        stats[(rows,)](logits, labels, lse, ce, pred, logits.stride(0), V=vocab, BLOCK=BLOCK_V, num_warps=STATS_WARPS)
+        from .ce_kernels_triton import stats_lanes_kernel, stats_tiles_kernel
+
+        args = (logits, labels, lse, ce, pred, logits.stride(0))
+        if STATS == "tiles":
+            stats_tiles_kernel[(rows,)](*args, V=vocab, BLOCK=STATS_BLOCK, num_warps=STATS_WARPS)
+        else:
+            stats_lanes_kernel[(rows,)](*args, V=vocab, BLOCK=STATS_BLOCK, TILE_MAX=STATS == "lanes-tilemax",
+                                        STAGES=STATS_STAGES, num_warps=STATS_WARPS)
     return ce, pred, lse
 
 
@@ -97,7 +71,9 @@ def softmax_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor)
     """In place: logits `[R, V]` become `softmax(logits) - onehot(labels)` in their own dtype."""
     rows, vocab = logits.shape
     if rows:
-        _, grad = _kernels()
-        grid = (rows, -(-vocab // BLOCK_V))
-        grad[grid](logits, labels, lse, logits.stride(0), V=vocab, BLOCK=BLOCK_V, num_warps=GRAD_WARPS)
+        from .ce_kernels_triton import grad_kernel
+
+        grid = (rows, -(-vocab // (BLOCK_V * GRAD_TILES)))
+        grad_kernel[grid](logits, labels, lse, logits.stride(0), V=vocab, BLOCK=BLOCK_V, TILES=GRAD_TILES,
+                          num_warps=GRAD_WARPS)
     return logits
