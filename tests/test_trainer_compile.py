@@ -19,18 +19,19 @@ pytestmark = [pytest.mark.gpu,
 
 
 def build(mode: str, scope: str, loss: str = "eager", overlap: bool = True, direct: bool = True,
-          clip: float = 1.0, graph: bool = False) -> DrafterTrainer:
-    """`graph`: train.cuda_graph (off here unless a test is about it: the others check launched steps)."""
+          clip: float = 1.0, graph: bool = False, block: int = 8) -> DrafterTrainer:
+    """`graph`: train.cuda_graph (off here unless a test is about it: the others check launched steps);
+    `block`: the block size (16 or more runs the Triton block kernels, 8 flex_attention)."""
     dev = torch.device("cuda")
     args = DrafterArgs(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=8, mask_token_id=1023)
+                       head_dim=64, vocab_size=1024, target_layer_ids=[1, 2, 3], block_size=block, mask_token_id=1023)
     torch.manual_seed(0)
     with torch.device(dev):
         d = DFlashDrafter(args)
     g = torch.Generator(dev).manual_seed(1)
     embed = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
     head = (torch.randn(1024, 256, generator=g, device=dev) * 0.02).bfloat16()
-    obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=8, num_anchors=64, max_anchors_per_doc=16,
+    obj = DFlashObjective(d, args, embed, head, DrafterConfig(block_size=block, num_anchors=64, max_anchors_per_doc=16,
                                                               loss_chunk_size=256))
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=loss, warmup_ratio=0.0,
                       optimizer_overlap=overlap, grad_clip=clip, cuda_graph=graph)
@@ -82,6 +83,7 @@ def test_training_step_never_synchronises_the_gpu(mode, loss):
 def test_cuda_graphs_keep_the_update_on_the_compute_stream():
     assert not build("reduce-overhead", "layers", "triton").opt.on_side_stream
     assert build("default", "layers", "triton").opt.on_side_stream
+    assert not build("default", "layers", "triton", graph=True, block=16).opt.on_side_stream  # captured step
 
 
 def test_cuda_graphs_keep_the_flat_gradient_buffer():
@@ -146,8 +148,9 @@ def test_the_step_replayed_as_a_cuda_graph_equals_the_launched_one(mode):
     batches = [synthetic_batch(512, 3 * 256, 1024, "cuda", torch.bfloat16, seed=s, lo=64, hi=300) for s in range(3)]
     runs = []
     for graph in (True, False):
-        tr = build(mode, "layers", "triton", overlap=False, graph=graph)
-        assert (tr.graph is not None) == graph and not tr.opt.on_side_stream
+        tr = build(mode, "layers", "triton", overlap=False, graph=graph, block=16)
+        assert tr.objective.attention == "triton" and (tr.graph is not None) == graph, tr.describe_graph()
+        assert not tr.opt.on_side_stream
         torch.manual_seed(7)
         losses = []
         try:
