@@ -92,10 +92,7 @@ class StepGraph:
                 self.static = []
                 undo()
                 return False
-            self.graph = graph
-            # The launched steps' activations are cached outside the graph's pool: give them back
-            # (a target sharing the GPU can use them).
-            torch.cuda.empty_cache()
+            self.graph = graph  # (torch.cuda.graph gave the launched steps' cached memory back before it)
             log.info("drafter step: captured as a CUDA graph at step %d", self.steps + 1)
         else:
             for s, t in zip(self.static, inputs):
