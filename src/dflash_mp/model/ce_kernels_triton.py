@@ -6,6 +6,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_row(base, row, labels, lse_out, ce_out, pred_out, lse, pred):
+    """A row's statistics: its log-sum-exp, its CE against its label (whose logit is read here) and its argmax."""
+    x_y = tl.load(base + tl.load(labels + row)).to(tl.float32)
+    tl.store(lse_out + row, lse)
+    tl.store(ce_out + row, lse - x_y)
+    tl.store(pred_out + row, pred.to(tl.int64))
+
+
+@triton.jit
 def stats_tiles_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.constexpr, BLOCK: tl.constexpr):
     """A row per program, each tile reduced across its threads (max, argmax, sum) into the row's state."""
     row = tl.program_id(0).to(tl.int64)
@@ -26,12 +35,7 @@ def stats_tiles_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.
         better = tile_max > best  # strictly: an earlier tile keeps a tie
         best_i = tl.where(better, start + tile_i, best_i)
         best = tl.where(better, tile_max, best)
-    lse = m + tl.log(s)
-    y = tl.load(labels + row)
-    x_y = tl.load(base + y).to(tl.float32)
-    tl.store(lse_out + row, lse)
-    tl.store(ce_out + row, lse - x_y)
-    tl.store(pred_out + row, best_i.to(tl.int64))
+    _store_row(base, row, labels, lse_out, ce_out, pred_out, m + tl.log(s), best_i)
 
 
 @triton.jit
@@ -85,11 +89,7 @@ def stats_lanes_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.
     # Each lane holds the first index of its own maximum; the smallest of those among the
     # lanes that reach the row's maximum is its first occurrence (torch.argmax's).
     pred = tl.min(tl.where(m == row_max, at + cols, V), axis=0)
-    y = tl.load(labels + row)
-    x_y = tl.load(base + y).to(tl.float32)
-    tl.store(lse_out + row, lse)
-    tl.store(ce_out + row, lse - x_y)
-    tl.store(pred_out + row, pred.to(tl.int64))
+    _store_row(base, row, labels, lse_out, ce_out, pred_out, lse, pred)
 
 
 @triton.jit
