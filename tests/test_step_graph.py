@@ -88,18 +88,23 @@ class _Eager(StepGraph):
 
 def test_the_graph_path_keeps_the_host_state_of_launched_steps():
     """Steps through the graph path (from step 3) give launched steps' weights, moments, interval
-    sums, step counts and learning rates: nothing the capture would freeze is computed in its body."""
+    sums, step counts and learning rates: nothing the capture would freeze is computed in its body.
+    A batch of another length after the capture runs launched."""
     batches = [synthetic_batch(128, 3 * 32, 256, "cpu", torch.float32, seed=s, lo=32, hi=64) for s in range(3)]
+    batches.append(synthetic_batch(96, 3 * 32, 256, "cpu", torch.float32, seed=3, lo=32, hi=64))
+    order = [0, 1, 2, 0, 3, 1, 2]  # the 96-token batch comes after the capture
     runs = []
     for graph in (True, False):
         tr = _trainer(False)
         if graph:
             tr.graph = _Eager()
         torch.manual_seed(3)
-        lrs = [tr.train_step(batches[i % 3]) for i in range(6)]
+        lrs = [tr.train_step(batches[i]) for i in order]
+        if graph:
+            assert tr.graph.replays == 4 and tr.graph.steps == 7  # steps 3, 4, 6, 7 replayed
         runs.append((lrs, tr.stats.pop(), tr.opt.named_master(), tr.step, float(tr.opt.step)))
     (lr1, s1, m1, n1, k1), (lr2, s2, m2, n2, k2) = runs
-    assert tr.graph is None and lr1 == lr2 and n1 == n2 == 6 and k1 == k2 == 6.0
+    assert tr.graph is None and lr1 == lr2 and n1 == n2 == 7 and k1 == k2 == 7.0
     assert len(set(lr1)) > 1  # the rate moves (warm-up + cosine): a frozen value would show
     for key, value in s2.items():
         assert float(s1[key]) == float(value), key

@@ -317,18 +317,19 @@ class DrafterTrainer:
         if self.graph is None:
             self._launched_step(hb, timed, after_backward)
             return lr
+        inputs = [hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask]
         with self.graph.on_stream():
-            if self.graph.launching or after_backward is not None or not self._replay(hb, timed):
+            if (self.graph.launching or after_backward is not None or not self.graph.fits(inputs)
+                    or not self._replay(hb, inputs, timed)):
                 self._launched_step(hb, timed, after_backward)
                 self.graph.launched()
         return lr
 
-    def _replay(self, hb: HiddenBatch, timed: bool) -> bool:
+    def _replay(self, hb: HiddenBatch, inputs: list[torch.Tensor], timed: bool) -> bool:
         """This step as the captured graph (captured now if it is not yet); False if the capture failed."""
         marks = _Marks(self.device) if timed else None
         self.opt.load_lr()  # outside the graph, which reads the 0-d tensor
-        if not self.graph.run(self._graph_body, [hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask],
-                              undo=self._undo_capture):
+        if not self.graph.run(self._graph_body, inputs, undo=self._undo_capture):
             return False
         self.stats.count(hb.num_valid_tokens)
         self.step += 1
