@@ -73,7 +73,8 @@ class StepGraph:
     def fits(self, inputs: list[torch.Tensor]) -> bool:
         """Whether these inputs can go through the graph: before the capture any can; after it only
         the captured shapes and dtypes (a batch of another shape runs launched)."""
-        return not self.static or all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(self.static, inputs))
+        return not self.static or all(s.shape == t.shape and s.dtype == t.dtype
+                                      for s, t in zip(self.static, inputs))
 
     def launched(self) -> None:
         """Count a step the caller ran launched (on `stream`)."""

@@ -97,9 +97,9 @@ class TrainConfig:
     #   in training steps only (never evaluation or export), so the drafter tolerates features that
     #   differ a little from the ones it trained on (another kernel, dtype or batch at serving time)
     feature_noise_scale: float = 0.05  # noise std relative to each token's per-layer feature RMS
-    cuda_graph: bool = True  # CUDA, one drafter replica: the whole step (forward, backward, clipping,
-    #   AdamW) is captured as one CUDA graph after two launched steps and replayed from then on
-    #   (step_graph.py); where it cannot be, the choices table says why
+    cuda_graph: bool = True  # CUDA, one drafter replica, Triton block attention: the whole step
+    #   (forward, backward, clipping, AdamW) is captured as one CUDA graph after two launched steps
+    #   and replayed from then on (step_graph.py); where it cannot be, the choices table says why
 
 
 FEATURE_NOISE = ("none", "uniform", "gaussian")
@@ -268,15 +268,15 @@ class DrafterTrainer:
         # there it can wait for each layer's update just before the layer runs. Not with CUDA
         # graphs: the 8B step went from 126 to 152 ms there, its graphs re-recorded (BENCHMARKS.md).
         # Not in a captured step either: there the update runs after backward, in the graph.
-        overlap = cfg.optimizer_overlap and self.mode != "reduce-overhead" and self.graph_why is not None and (
-            self.mode == "eager" or cfg.compile_scope == "layers")
+        overlap = (cfg.optimizer_overlap and self.mode != "reduce-overhead" and self.graph_why is not None
+                   and (self.mode == "eager" or cfg.compile_scope == "layers"))
         self.opt = FlatAdamW(named, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                              dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32, group=group,
                              compiled=device.type == "cuda",  # one kernel; eager mode compiles only this
                              write_grads=write_grads,  # False: the older add-into-.grad scheme (bench)
                              # Per layer also in a captured step: identical layers share one compiled update.
-                             segments=_layer_segments([n for n, _ in named]) if overlap or self.graph_why is None
-                             else None,
+                             segments=_layer_segments([n for n, _ in named])
+                             if overlap or self.graph_why is None else None,
                              side_stream=overlap, overlap_reduce=cfg.allreduce_overlap,
                              # Under CUDA graphs `.grad` may live in a graph's output pool, which the
                              # next replay overwrites: copy it into the flat buffer at once there.
@@ -366,7 +366,8 @@ class DrafterTrainer:
             self._marks = marks
 
     def phase_ms(self) -> dict[str, float]:
-        """{fwd_bwd, allreduce, optimizer: ms} of the last timed step, then forgotten ({} if none).
+        """{fwd_bwd, allreduce, optimizer: ms} of the last timed step ({step: ms} where it was a CUDA graph
+        replay: one unit), then forgotten ({} if none).
         Read it where the host has synchronised anyway (the logging step): on CUDA the phases are
         events in the stream, done by then."""
         marks, self._marks = self._marks, None
@@ -377,7 +378,8 @@ class DrafterTrainer:
         return self.opt.lr
 
     def forward_backward(self, hb: HiddenBatch, grad_scale: float = 1.0) -> torch.Tensor:
-        loss = self._forward_backward(hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask, grad_scale)
+        loss = self._forward_backward(hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask,
+                                      grad_scale)
         self.stats.count(hb.num_valid_tokens)
         return loss
 
@@ -390,7 +392,8 @@ class DrafterTrainer:
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, correct, label_mask, ctx_keys = self.fwd(hidden, input_ids, position_ids, doc_ids, loss_mask, noise)
+            loss, correct, label_mask, ctx_keys = self.fwd(hidden, input_ids, position_ids, doc_ids, loss_mask,
+                                                           noise)
         (loss * grad_scale if grad_scale != 1.0 else loss).backward()
         self.opt.collect()
         self.stats.add(loss.detach(), correct, label_mask, ctx_keys)
