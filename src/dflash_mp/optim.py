@@ -89,6 +89,12 @@ def _norms_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
+def replicas(group) -> int:
+    """Data-parallel replicas in `group` (None: no data parallelism, one replica or a one-process
+    reference)."""
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
 class FlatAdamW:
     """AdamW with clipping for `named_params` ((name, parameter) pairs), which it rebinds: their
     data become views of its flat buffers (see the module docstring). Build it before compiling
@@ -124,8 +130,7 @@ class FlatAdamW:
         self.hyper = dict(beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                           weight_decay=float(weight_decay))
         self.group = group
-        # None: no data parallelism (one replica, or a one-process reference).
-        self.world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self.world = replicas(group)
         device = params[0].device
         self._offsets = [0]  # parameter i lives at [_offsets[i], _offsets[i + 1]) of every flat buffer
         for p in params:

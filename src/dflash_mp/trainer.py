@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,7 +31,7 @@ from .model import (
 from .model.attention import FLEX_KERNEL_OPTIONS
 from .model import ce_kernels
 from .model.loss import LOSS_KERNELS
-from .optim import FlatAdamW
+from .optim import FlatAdamW, replicas
 from .options import resolve_auto
 from .step_graph import CAPTURE_AT, StepGraph, unsupported as graph_unsupported
 from .target import TargetSpec
@@ -261,9 +260,8 @@ class DrafterTrainer:
         self.autocast = self.precision != "fp32"
         # Rebinds the parameters to its flat buffers, so it comes before compiling.
         named = [(n, p) for n, p in objective.drafter.named_parameters() if p.requires_grad]
-        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         self.graph_why = "train.cuda_graph=false" if not cfg.cuda_graph else graph_unsupported(
-            device, self.mode, world, objective.attention)
+            device, self.mode, replicas(group), objective.attention)
         # The drafter's forward runs in Python between layers only in eager mode and layers scope:
         # there it can wait for each layer's update just before the layer runs. Not with CUDA
         # graphs: the 8B step went from 126 to 152 ms there, its graphs re-recorded (BENCHMARKS.md).
@@ -469,18 +467,17 @@ class IntervalStats:
     def __init__(self, block_size: int, device: torch.device):
         self.b = block_size
         self.device = device
-        self.reset()
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
+        self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
+        self.slot_correct, self.slot_count = z(block_size), z(block_size)
+        self.tau_sum, self.blocks, self.skipped = z(()), z(()), z(())
+        self.steps = 0
+        self.valid_tokens = 0
 
     def reset(self) -> None:
         # Zeroed in place: a captured step (step_graph.py) adds into these very tensors.
-        if not hasattr(self, "loss"):
-            z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=self.device)  # noqa: E731
-            self.loss, self.gnorm, self.ctx_keys = z(()), z(()), z(())
-            self.slot_correct, self.slot_count = z(self.b), z(self.b)
-            self.tau_sum, self.blocks, self.skipped = z(()), z(()), z(())
-        else:
-            torch._foreach_zero_([self.loss, self.gnorm, self.ctx_keys, self.slot_correct, self.slot_count,
-                                  self.tau_sum, self.blocks, self.skipped])
+        torch._foreach_zero_([self.loss, self.gnorm, self.ctx_keys, self.slot_correct, self.slot_count,
+                              self.tau_sum, self.blocks, self.skipped])
         self.steps = 0
         self.valid_tokens = 0
 
