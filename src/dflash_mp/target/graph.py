@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graph import Captured, capture_failed, on_stream, signature
 from ..flops import num_experts
 
 log = logging.getLogger(__name__)
@@ -55,51 +56,36 @@ class ForwardGraph:
     is logged and the forward runs uncaptured from then on.
     """
 
+    signature = staticmethod(signature)
+
     def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device):
         self.fn, self.device = fn, device
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every signature's graph
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, list[torch.Tensor]]] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.failed: str | None = None
         self.replays = 0
-
-    @staticmethod
-    def signature(inputs) -> tuple:
-        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
 
     def __call__(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         if self.failed is not None:
             return self.fn(*inputs)
         key = self.signature(inputs)
-        entry = self.graphs.get(key)
-        if entry is None:
+        captured = self.graphs.get(key)
+        if captured is None:
             out = self.fn(*inputs)
             self._capture(key, inputs)
             return out
-        graph, static, outputs = entry
-        for s, t in zip(static, inputs):
-            if s is not None:
-                s.copy_(t, non_blocking=True)
-        graph.replay()
         self.replays += 1
-        return outputs
+        return captured.replay(inputs)
 
     def _capture(self, key: tuple, inputs) -> None:
-        static = [None if t is None else t.clone() for t in inputs]
-        graph = torch.cuda.CUDAGraph()
         try:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                self.fn(*static)
-            # thread_local: other threads of the process (transport, liveness) may touch CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                outputs = self.fn(*static)
+            with on_stream(self.stream, self.device):
+                self.fn(*inputs)
+                captured = Captured(self.fn, inputs, self.stream, self.pool)
         except RuntimeError as e:
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log.warning("target forward: the CUDA graph capture failed (%s); running uncaptured. "
-                        "target.cuda_graph=false skips the capture.", self.failed)
+            self.failed = capture_failed("target forward", e, "uncaptured", "target.cuda_graph=false")
             return
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.graphs[key] = (graph, static, list(outputs))
+        self.graphs[key] = captured
         log.info("target forward: captured as a CUDA graph for inputs %s",
                  ", ".join("-" if k is None else str(list(k[0])) for k in key))
