@@ -48,12 +48,13 @@ class ForwardGraph:
     """Replays `fn(*inputs) -> list of tensors` as a CUDA graph, one per input signature (shapes and
     dtypes; None for an absent input).
 
-    A signature's first call runs `fn` as it is (its result is returned) and then captures it: a
-    warm-up on the capture stream first, so that lazy set-up (cuBLAS workspaces, kernel loads) does
-    not happen inside the capture. Later calls copy their inputs into the graph's and replay it. The
-    tensors a replay returns are the graph's own and the next replay overwrites them: the caller
-    copies them out (TargetWorker concatenates them into the batch it sends). A capture that fails
-    is logged and the forward runs uncaptured from then on.
+    Every call runs on the graph's own stream (cuda_graph.on_stream). A signature's first call runs
+    `fn` launched (its result is returned) and is the warm-up on that stream: the capture follows
+    directly, and lazy set-up (cuBLAS workspaces, kernel loads) has happened before it. Later calls
+    copy their inputs into the graph's and replay it. The tensors a replay returns are the graph's
+    own and the next replay overwrites them: the caller copies them out (TargetWorker concatenates
+    them into the batch it sends). A capture that fails is logged and the forward runs uncaptured
+    from then on.
     """
 
     signature = staticmethod(signature)
@@ -70,19 +71,22 @@ class ForwardGraph:
         if self.failed is not None:
             return self.fn(*inputs)
         key = self.signature(inputs)
-        captured = self.graphs.get(key)
-        if captured is None:
+        with on_stream(self.stream, self.device) as caller:
+            captured = self.graphs.get(key)
+            if captured is not None:
+                self.replays += 1
+                return captured.replay(inputs)
             out = self.fn(*inputs)
+            # Made on the graph's stream, read on the caller's: the allocator keeps their memory from
+            # later work on the graph's stream until the caller's reads are done.
+            for t in out:
+                t.record_stream(caller)
             self._capture(key, inputs)
-            return out
-        self.replays += 1
-        return captured.replay(inputs)
+        return out
 
     def _capture(self, key: tuple, inputs) -> None:
         try:
-            with on_stream(self.stream, self.device):
-                self.fn(*inputs)
-                captured = Captured(self.fn, inputs, self.stream, self.pool)
+            captured = Captured(self.fn, inputs, self.stream, self.pool)
         except RuntimeError as e:
             self.failed = capture_failed("target forward", e, "uncaptured", "target.cuda_graph=false")
             return
