@@ -16,11 +16,12 @@ A capture that fails is logged and the steps run launched from then on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Callable
 
 import torch
+
+from .cuda_graph import Captured, capture_failed, on_stream, signature
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +50,16 @@ class StepGraph:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static: list[torch.Tensor] = []
+        self.graph: Captured | None = None
+        self.static: list[torch.Tensor] = []  # the graph's inputs (empty before the capture)
         self.failed: str | None = None
         self.steps = 0  # steps run, launched or replayed
         self.replays = 0
 
-    @contextlib.contextmanager
     def on_stream(self):
         """Around a whole step: it runs on the graph's stream, ordered after the caller's stream's
         work so far (the batch) and before its work to come (reads of the weights, the next batch)."""
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream):
-            yield
-        cur.wait_stream(self.stream)
+        return on_stream(self.stream, self.device)
 
     @property
     def launching(self) -> bool:
@@ -73,8 +69,7 @@ class StepGraph:
     def fits(self, inputs: list[torch.Tensor]) -> bool:
         """Whether these inputs can go through the graph: before the capture any can; after it only
         the captured shapes and dtypes (a batch of another shape runs launched)."""
-        return not self.static or all(s.shape == t.shape and s.dtype == t.dtype
-                                      for s, t in zip(self.static, inputs))
+        return not self.static or signature(self.static) == signature(inputs)
 
     def launched(self) -> None:
         """Count a step the caller ran launched (on `stream`)."""
@@ -85,25 +80,15 @@ class StepGraph:
         capture failed (after `undo()` has reset the host state the capture touched): the caller
         then runs the step launched."""
         if self.graph is None:
-            self.static = [t.clone() for t in inputs]
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # thread_local: other threads of the process (transport, liveness) may touch CUDA meanwhile.
-                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                    body(*self.static)
+            try:  # (torch.cuda.graph gives the launched steps' cached memory back before it)
+                self.graph = Captured(body, inputs, self.stream)
             except RuntimeError as e:
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                log.warning("drafter step: the CUDA graph capture failed (%s); running launched. "
-                            "train.cuda_graph=false skips the capture.", self.failed)
-                self.static = []
+                self.failed = capture_failed("drafter step", e, "launched", "train.cuda_graph=false")
                 undo()
                 return False
-            self.graph = graph  # (torch.cuda.graph gave the launched steps' cached memory back before it)
+            self.static = self.graph.static
             log.info("drafter step: captured as a CUDA graph at step %d", self.steps + 1)
-        else:
-            for s, t in zip(self.static, inputs):
-                s.copy_(t, non_blocking=True)
-        self.graph.replay()
+        self.graph.replay(inputs)
         self.replays += 1
         self.steps += 1
         return True

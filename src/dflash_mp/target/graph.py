@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graph import Captured, capture_failed, on_stream, signature
 from ..flops import num_experts
 
 log = logging.getLogger(__name__)
@@ -47,59 +48,48 @@ class ForwardGraph:
     """Replays `fn(*inputs) -> list of tensors` as a CUDA graph, one per input signature (shapes and
     dtypes; None for an absent input).
 
-    A signature's first call runs `fn` as it is (its result is returned) and then captures it: a
-    warm-up on the capture stream first, so that lazy set-up (cuBLAS workspaces, kernel loads) does
-    not happen inside the capture. Later calls copy their inputs into the graph's and replay it. The
-    tensors a replay returns are the graph's own and the next replay overwrites them: the caller
-    copies them out (TargetWorker concatenates them into the batch it sends). A capture that fails
-    is logged and the forward runs uncaptured from then on.
+    Every call runs on the graph's own stream (cuda_graph.on_stream). A signature's first call runs
+    `fn` launched (its result is returned) and is the warm-up on that stream: the capture follows
+    directly, and lazy set-up (cuBLAS workspaces, kernel loads) has happened before it. Later calls
+    copy their inputs into the graph's and replay it. The tensors a replay returns are the graph's
+    own and the next replay overwrites them: the caller copies them out (TargetWorker concatenates
+    them into the batch it sends). A capture that fails is logged and the forward runs uncaptured
+    from then on.
     """
+
+    signature = staticmethod(signature)
 
     def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device):
         self.fn, self.device = fn, device
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every signature's graph
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, list[torch.Tensor]]] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.failed: str | None = None
         self.replays = 0
-
-    @staticmethod
-    def signature(inputs) -> tuple:
-        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
 
     def __call__(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         if self.failed is not None:
             return self.fn(*inputs)
         key = self.signature(inputs)
-        entry = self.graphs.get(key)
-        if entry is None:
+        with on_stream(self.stream, self.device) as caller:
+            captured = self.graphs.get(key)
+            if captured is not None:
+                self.replays += 1
+                return captured.replay(inputs)
             out = self.fn(*inputs)
+            # Made on the graph's stream, read on the caller's: the allocator keeps their memory from
+            # later work on the graph's stream until the caller's reads are done.
+            for t in out:
+                t.record_stream(caller)
             self._capture(key, inputs)
-            return out
-        graph, static, outputs = entry
-        for s, t in zip(static, inputs):
-            if s is not None:
-                s.copy_(t, non_blocking=True)
-        graph.replay()
-        self.replays += 1
-        return outputs
+        return out
 
     def _capture(self, key: tuple, inputs) -> None:
-        static = [None if t is None else t.clone() for t in inputs]
-        graph = torch.cuda.CUDAGraph()
         try:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                self.fn(*static)
-            # thread_local: other threads of the process (transport, liveness) may touch CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                outputs = self.fn(*static)
+            captured = Captured(self.fn, inputs, self.stream, self.pool)
         except RuntimeError as e:
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log.warning("target forward: the CUDA graph capture failed (%s); running uncaptured. "
-                        "target.cuda_graph=false skips the capture.", self.failed)
+            self.failed = capture_failed("target forward", e, "uncaptured", "target.cuda_graph=false")
             return
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.graphs[key] = (graph, static, list(outputs))
+        self.graphs[key] = captured
         log.info("target forward: captured as a CUDA graph for inputs %s",
                  ", ".join("-" if k is None else str(list(k[0])) for k in key))
