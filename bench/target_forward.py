@@ -15,8 +15,8 @@ always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-
 `-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
-`-fLEVEL` (before any `@` suffix): `target.fuse=LEVEL` (layer, mlp-residual, mlp or none; target/fuse.py); without it
-the job's default (TargetConfig.fuse), so `-fnone` is what the runs before target.fuse measured.
+`-fmlp` / `-fnone` (before any `@` suffix): `target.fuse_mlp=true` / `false` (target/fuse.py); without either
+the job's default (TargetConfig.fuse_mlp), so `-fnone` is what the runs before target.fuse_mlp measured.
 `-cdt`: compiled with Inductor's coordinate-descent tuning of its kernels' launch configs (Dynamo's
 caches reset before and after; put such variants last).
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
@@ -106,10 +106,10 @@ def main() -> None:
                         else "flex_attention")
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(-|@|$)", v) is not None
-                level = re.search(r"-f(layer|mlp-residual|mlp|none)(-|@|$)", v)
+                fuse = re.search(r"-f(mlp|none)(-|@|$)", v)
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      fuse=level.group(1) if level else TargetConfig().fuse)
+                                      fuse_mlp=fuse.group(1) == "mlp" if fuse else TargetConfig().fuse_mlp)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

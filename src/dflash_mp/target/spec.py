@@ -25,9 +25,8 @@ class TargetConfig:
     # Replay the forward as one CUDA graph where it can be captured (target/graph.py: the Triton attention,
     # no linear-attention or MoE layers); false launches it from Python each time.
     cuda_graph: bool = True
-    # The MLPs laid out for speed at load (target/fuse.py): layer (gate/up as one GEMM, the residual added
-    # in the down projection's GEMM) | mlp (gate/up only) | none (as loaded). Llama/Qwen-style layers only.
-    fuse: str = "layer"
+    # Each layer's MLP gate and up projections as one GEMM (target/fuse.py; Llama/Qwen-style MLPs only).
+    fuse_mlp: bool = True
     # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
     # node (a target larger than one GPU), balanced by forward cost; see stages.py.
     stages: int = 1

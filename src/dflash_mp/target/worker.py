@@ -21,7 +21,7 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
-from .fuse import check_choice as check_fuse, describe as describe_fuse, fuse_module, unfuse_module
+from .fuse import describe as describe_fuse, fuse_mlp, unfuse_mlp
 from .graph import ForwardGraph, unsupported as graph_unsupported
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
 
@@ -70,13 +70,13 @@ class TargetWorker:
     `cuda_graph`: `forward` replays the forward as a CUDA graph where it can be captured (graph.py;
     `self.graph_why` says why not where it cannot).
 
-    `fuse`: the MLPs' projections fused at this level (fuse.py: layer, mlp or none), each fused layer
+    `fuse_mlp`: each layer's MLP gate and up projections as one GEMM (fuse.py), each fused layer
     checked against its own forward on a probe row first.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
-                 compile_scope: str = "layers", cuda_graph: bool = False, fuse: str = "none"):
+                 compile_scope: str = "layers", cuda_graph: bool = False, fuse_mlp: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -129,9 +129,8 @@ class TargetWorker:
         self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
         self.compiled, self.compile_scope = compile, compile_scope
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
-        self.fuse = check_fuse(fuse)
-        self.fused = self._fuse(fuse)
-        self.fused_how = describe_fuse(self.fused, fuse, range(first, end))
+        self.fused = self._fuse_mlps(fuse_mlp)
+        self.fused_how = describe_fuse(self.fused, fuse_mlp, range(first, end))
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
@@ -152,14 +151,14 @@ class TargetWorker:
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
              attn_implementation: str = "auto", compile: bool = False,
              packing_check: bool = True, layers: tuple[int, int] | None = None,
-             probe_len: int = 512, cuda_graph: bool = False, fuse: str = "none") -> "TargetWorker":
+             probe_len: int = 512, cuda_graph: bool = False, fuse_mlp: bool = False) -> "TargetWorker":
         """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
         stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
         weights are read (and the embedding on a first stage). The attention implementation is
         chosen for the model's class (attention.choose_attention). A compiled forward is checked
         against the eager one on a row of `probe_len` tokens (the run's row length: no second compile).
-        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py). `fuse`: the
-        MLPs' projections fused at this level (fuse.py)."""
+        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py). `fuse_mlp`: the
+        MLPs' gate and up projections as one GEMM (fuse.py)."""
         last = max(layer_ids)
         first, end = layers if layers is not None else (0, last + 1)
         if not 0 <= first < end <= last + 1:
@@ -181,7 +180,7 @@ class TargetWorker:
         truncate(model, last)
         model.to(device).eval().requires_grad_(False)
         worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end),
-                     cuda_graph=cuda_graph, fuse=fuse)
+                     cuda_graph=cuda_graph, fuse_mlp=fuse_mlp)
         log.info("target %s: attention %s; linear attention: %s; fused: %s; CUDA graph: %s", type(model).__name__,
                  worker.attention, worker.linear_how, worker.fused_how, worker.describe_graph())
         if worker.compiled:
@@ -194,10 +193,13 @@ class TargetWorker:
         return worker
 
     @torch.no_grad()
-    def _fuse(self, level: str, seed: int = 0) -> dict[int, nn.Module]:
-        """Fuse each layer of the stage at `level` (fuse.py), keeping a fused layer only where it gives
-        its own forward's output on a probe row of two documents (to rounding). {layer: fused module}."""
-        if level == "none":
+    def _fuse_mlps(self, enabled: bool, seed: int = 0) -> dict[int, nn.Module]:
+        """Fuse each layer's MLP (fuse.py), keeping a fused one only where its layer gives its own
+        forward's output on a probe row of two documents (to rounding). {layer: fused MLP}."""
+        for i in range(*self.stage_layers):  # a model another worker fused gets its own MLPs back first
+            if getattr(self.decoder.layers[i], "mlp", None) is not None:
+                unfuse_mlp(self.decoder.layers[i].mlp)
+        if not enabled:
             return {}
         from .packing import ProbeRow, per_token_rel
 
@@ -211,17 +213,17 @@ class TargetWorker:
         fused: dict[int, nn.Module] = {}
         for i in range(*self.stage_layers):
             want = row.run(self, i, h)
-            module = fuse_module(self.decoder.layers[i], level)
-            if module is None:
+            mlp = fuse_mlp(self.decoder.layers[i])
+            if mlp is None:
                 continue
             rel = float(per_token_rel(row.run(self, i, h), want).mean())
             if rel <= tol:
-                fused[i] = module
+                fused[i] = mlp
                 continue
-            unfuse_module(module)
-            log.warning("target %s: layer %d fused (target.fuse=%s) differs from its own forward by %.2e per token "
-                        "(mean relative, tolerance %.0e): it runs unfused. target.fuse=none skips the fusion.",
-                        type(self.model).__name__, i, level, rel, tol)
+            unfuse_mlp(mlp)
+            log.warning("target %s: layer %d with its MLP fused differs from its own forward by %.2e per token "
+                        "(mean relative, tolerance %.0e): it runs unfused. target.fuse_mlp=false skips the fusion.",
+                        type(self.model).__name__, i, rel, tol)
         return fused
 
     # ------------------------------------------------------------------------------------ forward
