@@ -44,6 +44,8 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     =false (the update runs after backward on the compute stream, not per layer on a side stream);
     `+attn=BACKEND` drafter.attention=BACKEND (triton, flex, dense; without it: auto);
     `+btiles=NAME` the Triton block kernels' tiles of bench/flex_tiles.py's TRITON_VARIANTS[NAME];
+    `+bptr` the Triton block kernels load their context key/value tiles through pointers
+    (block_attn.USE_TMA=False; without it, through tensor descriptors on sm_90+);
     `+nograph` train.cuda_graph=false (every step launched from Python; the default captures the
     step as one CUDA graph at step 3 where it can, step_graph.py)."""
     base, *flags = mode.split("+")
@@ -51,10 +53,11 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph") or (
+                       "nograph", "bptr") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
+                             f"+serial, +nograph, +bptr, +tiles=NAME or +btiles=NAME "
+                             f"(NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -217,16 +220,21 @@ def main() -> None:
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
     from dflash_mp.model import block_attn
 
+    use_tma = block_attn.USE_TMA
     for mode in a.modes.split(","):
         try:
-            btiles = parse_mode(mode)[1].get("btiles")
-            if btiles:  # the block kernels read their tiles at each launch: set for this mode's run only
-                block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[btiles]))
+            flags = parse_mode(mode)[1]
+            # The block kernels read their tiles and USE_TMA at each launch: set for this mode's run only.
+            if flags.get("btiles"):
+                block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[flags["btiles"]]))
+            if flags.get("bptr"):
+                block_attn.USE_TMA = False
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
             block_attn.TILES.update(DEFAULT_TILES)
+            block_attn.USE_TMA = use_tma
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

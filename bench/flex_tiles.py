@@ -1,8 +1,11 @@
 """flex_attention on the drafter's block mask at Qwen3-8B DFlash shapes: forward + backward time per
 tile configuration (BlockMask block size and Inductor kernel options), one process, one mask; and
 the Triton block kernels (`drafter.attention=triton`, variants `triton*`: their tiles) on the same row.
+A Triton variant's name ending in `-ptr` loads the context key/value tiles through pointers
+(block_attn.USE_TMA=False; without it, through tensor descriptors on sm_90+): `triton-ptr` is the
+default tiles through pointers.
 
-    python bench/flex_tiles.py [--variants bwd32,triton,triton-n128,...]
+    python bench/flex_tiles.py [--variants bwd32,triton,triton-ptr,triton-n128,...]
 
 One drafter layer's attention: q [1, 32, A*B, 128], k/v [1, 8, T + A*B, 128], bf16, the anchors
 of a synthetic packed row. Times are per layer (the 8B drafter has five). Each variant's output
@@ -19,11 +22,11 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from common import DRAFTERS, median, synthetic_batch, timed, write_json
+from dflash_mp.model import block_attn
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod
-from dflash_mp.model.block_attn import TILES
 
-DEFAULT_TILES = dict(TILES)
+DEFAULT_TILES = dict(block_attn.TILES)
 
 # name -> (BlockMask block size (q, kv), kernel_options). Kernel tiles must divide the mask blocks.
 BWD64 = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}
@@ -75,11 +78,18 @@ TRITON_VARIANTS = {
 }
 
 
-def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
-    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says."""
-    from dflash_mp.model import block_attn
+def triton_tiles(name: str) -> str | None:
+    """The TRITON_VARIANTS entry of a Triton variant `name` (a `-ptr` suffix dropped); None for a flex one."""
+    base = name.removesuffix("-ptr")
+    return base if base in TRITON_VARIANTS else None
 
-    block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[name]))
+
+def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
+    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says, and the
+    context tiles through pointers for a `-ptr` name (the caller restores block_attn.USE_TMA)."""
+    block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[triton_tiles(name)]))
+    if name.endswith("-ptr"):
+        block_attn.USE_TMA = False
     spans = block_attn.block_spans(anchors, valid, doc_ids, B, None)
     qq, kk, vv = (t[0].transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v))  # [S, heads, D]
     do = dout[0].transpose(0, 1).contiguous()
@@ -161,15 +171,16 @@ def main() -> None:
     dout = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
     masks, out, ref, t0 = {}, [], None, time.time()
     pairs = int(mask_mod_pairs(mask_mod, q_len, kv_len, device))
+    use_tma = block_attn.USE_TMA
     fwd_flop = 4 * D * p["heads"] * pairs  # QK^T and PV over the visible pairs
     for name in a.variants.split(","):
         if time.time() - t0 > a.budget_s:
             out.append({"variant": name, "error": "skipped: over --budget-s"})
             continue
         try:
-            if name in TRITON_VARIANTS:
+            if triton_tiles(name):
                 fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
-                info = {"block_size": None, "kernel_options": TRITON_VARIANTS[name], "tiles": 0}
+                info = {"block_size": None, "kernel_options": TRITON_VARIANTS[triton_tiles(name)], "tiles": 0}
             else:
                 fwd, fwd_bwd, result, info = flex_variant(name, masks, mask_mod, q_len, kv_len, q, k, v, dout, device)
             tc = time.time()
@@ -187,6 +198,8 @@ def main() -> None:
                  "compile_s": round(compile_s, 1), "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
         except Exception as e:  # one variant failing must not lose the others
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
+        finally:
+            block_attn.USE_TMA = use_tma
         print(r, flush=True)
         out.append(r)
         write_json({"preset": a.preset, "torch": torch.__version__, "variants": out}, f"flex_tiles_{a.preset}.json")

@@ -2,7 +2,8 @@
 
 The spans (which context rows each block sees, which blocks touch each key tile) are checked against
 `make_mask_mod` on CPU. The kernels' output and gradients are checked against dense sdpa on the same
-`mask_mod`: on CPU in Triton's interpreter (tests/triton_interp.py), on CUDA in bf16 and compiled.
+`mask_mod`: on CPU in Triton's interpreter (tests/triton_interp.py), on CUDA in bf16 and compiled; both
+with the context tiles loaded through pointers and through tensor descriptors (TMA).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton_interp
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod, resolve_backend
 from dflash_mp.model.block_attn import block_spans, unsupported
+from dflash_mp.triton_launch import use_tma
 
 # (T, A, B, Hq, Hkv, D, window, document lengths): full and sliding; invalid anchors (fewer
 # candidates than A); 3 query heads per KV head (48 rows in a 64-row tile); B = 32; one document;
@@ -41,6 +43,7 @@ def make_row(T, A, lens, device="cpu", seed=0):
 
 def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
     """The kernels' out, dq, dk, dv against fp32 dense sdpa on `make_mask_mod`: relative L2 errors."""
+    from dflash_mp.model import block_attn
     from dflash_mp.model.block_attn import block_attention
 
     anchors, valid, docs = make_row(T, A, lens, device)
@@ -48,6 +51,7 @@ def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(n, h, D, generator=g).to(device, dtype).requires_grad_()
                for n, h in ((Q, Hq), (T + Q, Hkv), (T + Q, Hkv)))
+    assert block_attn.USE_TMA is not True or use_tma(True, k, v)  # forced: the descriptors can take these
     spans = block_spans(anchors, valid, docs, B, window)
     fn = torch.compile(block_attention, fullgraph=True) if compiled else block_attention
     out = fn(q, k, v, spans)
@@ -63,10 +67,16 @@ def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32
 
 
 def check_interpreter() -> None:
-    """Every case in fp32 through the interpreter: the kernels' arithmetic is the dense path's."""
-    for case in CASES:
-        errors = compare(*case)
-        assert max(errors.values()) < 1e-5, (case, errors)
+    """Every case in fp32 through the interpreter, the context tiles through pointers and through
+    descriptors (whose rows past a span's end are other blocks' keys, not zeros): the kernels'
+    arithmetic is the dense path's."""
+    from dflash_mp.model import block_attn
+
+    for tma in (False, True):
+        block_attn.USE_TMA = tma
+        for case in CASES:
+            errors = compare(*case)
+            assert max(errors.values()) < 1e-5, (tma, case, errors)
 
 
 def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blocks_that_see_them():
@@ -120,6 +130,39 @@ def test_kernels_match_dense_attention_on_cuda(compiled):
     for window in (None, 64):
         errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16, compiled)
         assert max(errors.values()) < 2e-2, (window, errors)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs CUDA with TMA (sm_90+)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_context_tiles_through_descriptors_and_through_pointers_both_match_dense_attention_on_cuda(compiled):
+    """The same bf16 inputs at 8B-like head shapes (D = 128), the context tiles through tensor
+    descriptors (forced) and through pointers, full and sliding: both within the dense path's tolerance."""
+    from dflash_mp.model import block_attn
+
+    torch._dynamo.reset()
+    try:
+        for tma in (True, False):
+            block_attn.USE_TMA = tma
+            for window in (None, 64):
+                errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16,
+                                 compiled)
+                assert max(errors.values()) < 2e-2, (tma, window, errors)
+    finally:
+        block_attn.USE_TMA = None
+
+
+def test_context_tiles_come_through_descriptors_only_where_the_device_and_the_layout_allow():
+    """Auto: pointers on CPU (no TMA); forced: descriptors, but pointers still for a base or a stride
+    that is not 16-byte aligned; off: pointers."""
+    k = torch.zeros(40, 2, 16)
+    view = torch.zeros(40, 3, 16)[:, :2]  # not contiguous, rows 192 bytes apart: aligned
+    odd = torch.zeros(40 * 32 + 1)[1:].view(40, 2, 16)  # a base 4 bytes past an aligned one
+    narrow = torch.zeros(40, 2, 6)  # heads 24 bytes apart
+    assert not use_tma(None, k, k)
+    assert use_tma(True, k, k) and use_tma(True, k, view)
+    assert not use_tma(True, k, odd) and not use_tma(True, narrow, narrow)
+    assert not use_tma(False, k, k)
 
 
 def check_drafter() -> None:

@@ -19,6 +19,7 @@ from dflash_mp.compile_stats import counts
 from dflash_mp.target import TargetWorker, attention
 from dflash_mp.target.attention import block_diagonal_causal_mask, choose_attention, describe_attention, load_attention
 from dflash_mp.target.doc_attn import ATTN_NAME, DocRows, doc_rows, unsupported
+from dflash_mp.triton_launch import use_tma
 from test_target import packed
 from test_target_varlen import check_against_sdpa, tiny_qwen3, worker_with
 
@@ -134,7 +135,7 @@ def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, comp
     q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
     if q_layout == "htd":
         q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
-    assert doc_attn.USE_TMA is not True or doc_attn._use_tma(k, v)  # forced: the descriptors can take these
+    assert doc_attn.USE_TMA is not True or use_tma(True, k, v)  # forced: the descriptors can take these
     rows = doc_rows(docs, D, window)
     fn = torch.compile(doc_attention, fullgraph=True) if compiled else doc_attention
     out = fn(q, k, v, rows)

@@ -1,7 +1,7 @@
-"""What the project's Triton kernels (drafter and target) share: whether they can run on a device, and
-a launch that fits tiles measured on an H200 to any GPU (retried with one pipeline stage fewer while
-the GPU's shared memory is too small). Triton itself is imported on first use: the CPU build of torch
-comes without it."""
+"""What the project's Triton kernels (drafter and target) share: whether they can run on a device,
+whether they load key/value tiles through tensor descriptors (TMA), and a launch that fits tiles
+measured on an H200 to any GPU (retried with one pipeline stage fewer while the GPU's shared memory is
+too small). Triton itself is imported on first use: the CPU build of torch comes without it."""
 
 from __future__ import annotations
 
@@ -28,6 +28,25 @@ def available(device: torch.device) -> bool:
 def has_tma(device: torch.device) -> bool:
     """Whether `device` loads tiles through tensor descriptors in hardware (TMA: sm_90 and later)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_tma(flag: bool | None, *xs: torch.Tensor) -> bool:
+    """Whether a kernel loads `xs`' tiles through tensor descriptors. `flag`, a module's USE_TMA: True or
+    False forces the choice, None takes descriptors where the device has TMA; descriptors only where the
+    layout allows them either way (a 16-byte aligned base and strides, all but the last, which is 1)."""
+    aligned = all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+                  for x in xs)
+    if flag is not None:
+        return flag and aligned
+    return aligned and has_tma(xs[0].device)
+
+
+def head_descriptor(x: torch.Tensor, block_n: int):
+    """A tensor descriptor over `x` `[T, H, D]` whose box is `block_n` rows of one head (a kernel loads
+    it as `tl.reshape(desc.load([n0, h, 0]), [block_n, D])`; rows past T come back as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, 1, x.shape[2]])
 
 
 def input_precision(x: torch.Tensor) -> str:

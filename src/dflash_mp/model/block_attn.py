@@ -19,7 +19,9 @@ visited, and GQA needs no repeat of K/V (the G heads' rows meet the same K/V til
   whose spans touch the tile. Valid anchors are sorted and their documents are contiguous spans,
   so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`.
 
-Programs run longest span first (`order`), so the long ones do not start in the last wave.
+Programs run longest span first (`order`), so the long ones do not start in the last wave. On sm_90
+and later the forward and dQ load their context tiles through tensor descriptors (TMA, `USE_TMA`), as
+the target's doc_attn.py loads its key tiles.
 Deterministic: no atomics. Triton is imported on first use; on CPU the kernels run in Triton's
 interpreter (TRITON_INTERPRET=1), which the tests use against the dense mask.
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import input_precision, last_dim_dense, launch
+from ..triton_launch import head_descriptor, input_precision, last_dim_dense, launch, use_tma
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
@@ -42,6 +44,11 @@ from ..triton_launch import input_precision, last_dim_dense, launch
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 128, "BLOCK_N2": 128, "fwd_warps": 4, "fwd_stages": 3, "dq_warps": 4,
          "dq_stages": 2, "dkv_warps": 8, "dkv_stages": 2}
 MAX_ROWS = 128  # G*B rows per program beyond which the tile would not fit in registers
+# The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
+# has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and
+# strides); None decides so, True or False forces it (tests run both paths in Triton's interpreter;
+# benches compare them). The block's own keys and the dK/dV kernel load through pointers either way.
+USE_TMA: bool | None = None
 
 
 def _next_pow2(n: int) -> int:
@@ -116,6 +123,14 @@ def _kernels():
     return block_attn_fwd, block_attn_bwd_dq, block_attn_bwd_dkv
 
 
+def _context_tiles(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[bool, object, object]:
+    """(TMA, what the kernel loads its context tiles of k and v from): descriptors with a box of
+    `block_n` rows where TMA is on, else k and v themselves."""
+    if use_tma(USE_TMA, k, v):
+        return True, head_descriptor(k, block_n), head_descriptor(v, block_n)
+    return False, k, v
+
+
 def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int, int, int, int, int]:
     """(T, A, Hkv, G, ROWS, D) of a call."""
     n_q, hq, d = q.shape
@@ -135,11 +150,12 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
-    launch(fwd, (A, hkv), (q, k, v, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0),
-                            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), T,
-                            scale * math.log2(math.e)),
+    tma, kd, vd = _context_tiles(k, v, TILES["BLOCK_N"])
+    launch(fwd, (A, hkv), (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0), q.stride(1),
+                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                            T, scale * math.log2(math.e)),
             dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
-                 PREC=input_precision(q)),
+                 PREC=input_precision(q), TMA=tma),
             TILES["fwd_warps"], TILES["fwd_stages"], q.device)
     return out, lse
 
@@ -167,10 +183,13 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
     common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=input_precision(q))
-    launch(dq_kernel, (A, hkv), (q, k, v, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0),
-                                  q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                                  out.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-            dict(common, BLOCK_N=TILES["DQ_BLOCK_N"]), TILES["dq_warps"], TILES["dq_stages"], q.device)
+    tma, kd, vd = _context_tiles(k, v, TILES["DQ_BLOCK_N"])
+    launch(dq_kernel, (A, hkv), (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end, anchor,
+                                  order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                  v.stride(1), out.stride(0), out.stride(1), grad.stride(0), grad.stride(1), T,
+                                  scale2, scale),
+            dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma), TILES["dq_warps"], TILES["dq_stages"],
+            q.device)
     launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
                                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                              v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),

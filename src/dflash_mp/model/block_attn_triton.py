@@ -1,6 +1,9 @@
 """The Triton kernels of `block_attn.py` (imported on first use: the CPU build of torch has no Triton).
 Module-level functions, so the jitted helpers resolve in Triton's CPU interpreter too. `PREC`: the
-matmuls' input precision, "ieee" for fp32 inputs (fp32 training stays fp32, not TF32)."""
+matmuls' input precision, "ieee" for fp32 inputs (fp32 training stays fp32, not TF32). `TMA`: KD and VD
+are tensor descriptors over K and V (`[T + Q, Hkv, D]`, a box of BLOCK_N rows of one head) from which
+the forward and dQ load their context tiles, else K and V again; the block's own keys and the dK/dV
+kernel load through the pointers K and V either way."""
 
 import triton
 import triton.language as tl
@@ -27,14 +30,20 @@ def _online(s, m, l, acc, v, vis, PREC: tl.constexpr):
 
 
 @triton.jit
-def _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N: tl.constexpr,
-                  WINDOW: tl.constexpr):
+def _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
     """K/V rows [n0, n0 + BLOCK_N) of KV head g and which (slot, key) pairs see them: rows up to `end`,
-    and on sliding layers within the window of slot k's position a + k."""
+    and on sliding layers within the window of slot k's position a + k. Through descriptors, rows from
+    `end` on come as they are in the tensor (zeros only past its last row): `vis` keeps them out of
+    every score, so their p is 0 in the forward and in dQ and nothing of them reaches a result."""
     n = n0 + tl.arange(0, BLOCK_N)
     ok = n < end
-    kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
-    vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
+    if TMA:
+        kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
+        vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
+    else:
+        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
     vis = ok[None, :]
     if WINDOW > 0:
         vis = vis & (n[None, :] > a + slot[:, None] - WINDOW)
@@ -56,9 +65,9 @@ def _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.constexpr, W
 
 
 @triton.jit
-def block_attn_fwd(Q, K, V, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s, so_h,
-        T, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
-        D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s,
+        so_h, T, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """Block i (the program's place in ORDER), KV head g: output rows and their log-sum-exp (base 2)."""
     i = tl.load(ORDER + tl.program_id(0))
     g = tl.program_id(1)
@@ -73,7 +82,8 @@ def block_attn_fwd(Q, K, V, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, s
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        kt, vt, vis = _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N, WINDOW)
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N,
+                                    WINDOW, TMA)
         m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, vis, PREC)
     nb, kb, vb, vis = _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW)
     m, l, acc = _online(tl.dot(q, tl.trans(kb), input_precision=PREC) * scale2, m, l, acc, vb, vis, PREC)
@@ -84,10 +94,10 @@ def block_attn_fwd(Q, K, V, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, s
 
 
 @triton.jit
-def block_attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h,
-           sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr,
-           B: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-           PREC: tl.constexpr):
+def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h,
+           sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr,
+           G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """Block i, KV head g: dQ of its rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of its own B keys."""
     i = tl.load(ORDER + tl.program_id(0))
     g = tl.program_id(1)
@@ -106,7 +116,8 @@ def block_attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, 
     a = tl.load(ANCH + i)
     dq = tl.zeros([ROWS, D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        kt, vt, vis = _context_keys(K, V, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, BLOCK_N, WINDOW)
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N,
+                                    WINDOW, TMA)
         p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import has_tma, input_precision, last_dim_dense, launch
+from ..triton_launch import head_descriptor, input_precision, last_dim_dense, launch, use_tma
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
 # diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
@@ -83,28 +83,14 @@ def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: tor
 
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tma = _use_tma(k, v)
-    kk, vv = (_descriptor(x, block_n) for x in (k, v)) if tma else (k, v)
+    tma = use_tma(USE_TMA, k, v)
+    kk, vv = (head_descriptor(x, block_n) for x in (k, v)) if tma else (k, v)
     launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
            (q, kk, vv, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),
            dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q), TMA=tma),
            warps, stages, q.device)
     return out
-
-
-def _use_tma(*xs: torch.Tensor) -> bool:
-    aligned = all(x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1]) for x in xs)
-    if USE_TMA is not None:
-        return USE_TMA and aligned
-    return aligned and has_tma(xs[0].device)
-
-
-def _descriptor(x: torch.Tensor, block_n: int):
-    """A tensor descriptor over `[T, Hkv, D]` whose box is one KV head's `block_n` keys."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, 1, x.shape[2]])
 
 
 @doc_attention_op.register_fake
