@@ -15,10 +15,6 @@ always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-
 `-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
-`-fmlp` / `-fnone` (before any `@` suffix): `target.fuse_mlp=true` / `false` (target/fuse.py); without either
-the job's default (TargetConfig.fuse_mlp), so `-fnone` is what the runs before target.fuse_mlp measured.
-`-cdt`: compiled with Inductor's coordinate-descent tuning of its kernels' launch configs (Dynamo's
-caches reset before and after; put such variants last).
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -34,7 +30,7 @@ from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, tim
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetConfig, TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -76,16 +72,12 @@ def main() -> None:
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     default_tiles = dict(doc_attn.TILES)
     for v in variants:
-        cdt = re.search(r"-cdt(-|@|$)", v) is not None
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
                 doc_attn.TILES[c["head_dim"]] = tuple(int(x) for x in tiles.groups())
             if re.search(r"-ptr(-|@|$)", v):
                 doc_attn.USE_TMA = False
-            if cdt:
-                torch._dynamo.reset()
-                torch._inductor.config.coordinate_descent_tuning = True
             if v.startswith("full"):
                 assert not truncated, "full-* variants must come before trunc-* ones"
                 model.config._attn_implementation = "flex_attention"
@@ -105,11 +97,9 @@ def main() -> None:
                 attn = ("sdpa" if "sdpa" in v else "varlen" if "varlen" in v else "triton" if "triton" in v
                         else "flex_attention")
                 model.config._attn_implementation = attn
-                graphed = re.search(r"-graph(-|@|$)", v) is not None
-                fuse = re.search(r"-f(mlp|none)(-|@|$)", v)
+                graphed = re.search(r"-graph(@|$)", v) is not None
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
-                                      flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      fuse_mlp=fuse.group(1) == "mlp" if fuse else TargetConfig().fuse_mlp)
+                                      flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731
@@ -129,14 +119,9 @@ def main() -> None:
                     r[f"rel_diff_vs_{first[0]}"] = float((h - first[1]).abs().max() / first[1].abs().max())
             if device.type == "cuda":  # where the time goes (after the timed runs, so it cannot skew them)
                 r["profile"] = kernel_profile(fn, device, top=15)
-            if not v.startswith("full"):
-                r["fused"] = worker.fused_how
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
-            if cdt:
-                torch._inductor.config.coordinate_descent_tuning = False
-                torch._dynamo.reset()
             doc_attn.TILES.clear()
             doc_attn.TILES.update(default_tiles)
             doc_attn.USE_TMA = None

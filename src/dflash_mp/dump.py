@@ -128,7 +128,7 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
         if todo:
             worker = TargetWorker.load(target_path, layer_ids, device, dtype, job.target.attn_implementation,
                                        job.target.compile, job.target.packing_check,
-                                       cuda_graph=job.target.cuda_graph, fuse_mlp=job.target.fuse_mlp)
+                                       cuda_graph=job.target.cuda_graph)
             for i in todo:
                 first, n = plan[i]
                 seek(stream, first)

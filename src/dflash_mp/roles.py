@@ -160,7 +160,7 @@ class TargetRun(_RoleRun):
             self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                             job.target.attn_implementation, job.target.compile,
                                             job.target.packing_check, layers=layers, probe_len=job.data.seq_len,
-                                            cuda_graph=job.target.cuda_graph, fuse_mlp=job.target.fuse_mlp)
+                                            cuda_graph=job.target.cuda_graph)
         self.compiled = self.worker.compiled  # False where the compiled forward failed its check
         self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         live.phase("starting", "transport")
@@ -483,7 +483,6 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
     if target is not None:
         rows += [("target attention implementation", target.attention),
                  ("target linear-attention layers", target.linear_how),
-                 ("target MLP gate/up fused", target.fused_how),
                  ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no"),
                  ("target forward as a CUDA graph", target.describe_graph())]
     if trainer is not None:

@@ -25,8 +25,6 @@ class TargetConfig:
     # Replay the forward as one CUDA graph where it can be captured (target/graph.py: the Triton attention,
     # no linear-attention or MoE layers); false launches it from Python each time.
     cuda_graph: bool = True
-    # Each layer's MLP gate and up projections as one GEMM (target/fuse.py; Llama/Qwen-style MLPs only).
-    fuse_mlp: bool = True
     # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
     # node (a target larger than one GPU), balanced by forward cost; see stages.py.
     stages: int = 1

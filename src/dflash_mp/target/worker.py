@@ -21,7 +21,6 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
-from .fuse import describe as describe_fuse, fuse_mlp, unfuse_mlp
 from .graph import ForwardGraph, unsupported as graph_unsupported
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
 
@@ -69,14 +68,11 @@ class TargetWorker:
 
     `cuda_graph`: `forward` replays the forward as a CUDA graph where it can be captured (graph.py;
     `self.graph_why` says why not where it cannot).
-
-    `fuse_mlp`: each layer's MLP gate and up projections as one GEMM (fuse.py), each fused layer
-    checked against its own forward on a probe row first.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
-                 compile_scope: str = "layers", cuda_graph: bool = False, fuse_mlp: bool = False):
+                 compile_scope: str = "layers", cuda_graph: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -129,8 +125,6 @@ class TargetWorker:
         self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
         self.compiled, self.compile_scope = compile, compile_scope
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
-        self.fused = self._fuse_mlps(fuse_mlp)
-        self.fused_how = describe_fuse(self.fused, fuse_mlp, range(first, end))
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
@@ -151,14 +145,13 @@ class TargetWorker:
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
              attn_implementation: str = "auto", compile: bool = False,
              packing_check: bool = True, layers: tuple[int, int] | None = None,
-             probe_len: int = 512, cuda_graph: bool = False, fuse_mlp: bool = False) -> "TargetWorker":
+             probe_len: int = 512, cuda_graph: bool = False) -> "TargetWorker":
         """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
         stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
         weights are read (and the embedding on a first stage). The attention implementation is
         chosen for the model's class (attention.choose_attention). A compiled forward is checked
         against the eager one on a row of `probe_len` tokens (the run's row length: no second compile).
-        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py). `fuse_mlp`: the
-        MLPs' gate and up projections as one GEMM (fuse.py)."""
+        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py)."""
         last = max(layer_ids)
         first, end = layers if layers is not None else (0, last + 1)
         if not 0 <= first < end <= last + 1:
@@ -180,9 +173,9 @@ class TargetWorker:
         truncate(model, last)
         model.to(device).eval().requires_grad_(False)
         worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end),
-                     cuda_graph=cuda_graph, fuse_mlp=fuse_mlp)
-        log.info("target %s: attention %s; linear attention: %s; fused: %s; CUDA graph: %s", type(model).__name__,
-                 worker.attention, worker.linear_how, worker.fused_how, worker.describe_graph())
+                     cuda_graph=cuda_graph)
+        log.info("target %s: attention %s; linear attention: %s; CUDA graph: %s", type(model).__name__,
+                 worker.attention, worker.linear_how, worker.describe_graph())
         if worker.compiled:
             worker.check_compiled(probe_len)
         if packing_check:
@@ -191,40 +184,6 @@ class TargetWorker:
             log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
                         type(model).__name__)
         return worker
-
-    @torch.no_grad()
-    def _fuse_mlps(self, enabled: bool, seed: int = 0) -> dict[int, nn.Module]:
-        """Fuse each layer's MLP (fuse.py), keeping a fused one only where its layer gives its own
-        forward's output on a probe row of two documents (to rounding). {layer: fused MLP}."""
-        for i in range(*self.stage_layers):  # a model another worker fused gets its own MLPs back first
-            if getattr(self.decoder.layers[i], "mlp", None) is not None:
-                unfuse_mlp(self.decoder.layers[i].mlp)
-        if not enabled:
-            return {}
-        from .packing import ProbeRow, per_token_rel
-
-        lengths = (48, 80)
-        docs = torch.cat([torch.full((m,), d) for d, m in enumerate(lengths)])
-        pos = torch.cat([torch.arange(m) for m in lengths])
-        g = torch.Generator().manual_seed(seed)
-        h = torch.randn(1, sum(lengths), self.hidden_size, generator=g).to(self.device, self.dtype)
-        row = ProbeRow(self, docs, pos, h)
-        tol = 1e-4 if self.dtype == torch.float32 else 2e-2
-        fused: dict[int, nn.Module] = {}
-        for i in range(*self.stage_layers):
-            want = row.run(self, i, h)
-            mlp = fuse_mlp(self.decoder.layers[i])
-            if mlp is None:
-                continue
-            rel = float(per_token_rel(row.run(self, i, h), want).mean())
-            if rel <= tol:
-                fused[i] = mlp
-                continue
-            unfuse_mlp(mlp)
-            log.warning("target %s: layer %d with its MLP fused differs from its own forward by %.2e per token "
-                        "(mean relative, tolerance %.0e): it runs unfused. target.fuse_mlp=false skips the fusion.",
-                        type(self.model).__name__, i, rel, tol)
-        return fused
 
     # ------------------------------------------------------------------------------------ forward
     def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False
