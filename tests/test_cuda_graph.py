@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dflash_mp.cuda_graph import capture_failed, describe, signature
-from dflash_mp.target.graph import ForwardGraph
 
 
 def _raised(message: str) -> RuntimeError:
@@ -46,7 +45,7 @@ def test_a_failed_capture_is_warned_with_the_setting_that_skips_it(caplog):
 
 def test_a_graph_takes_only_inputs_of_its_own_shapes_dtypes_and_absent_ones():
     x, pos = torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)
-    key = ForwardGraph.signature([x, pos, None])
+    key = signature([x, pos, None])
     assert key == (((1, 8), torch.long), ((1, 8), torch.long), None)
     assert signature([x.clone(), pos + 1, None]) == key  # values do not matter
     assert signature([x, pos, torch.zeros(8, 4)]) != key  # an input present where it was absent

@@ -474,10 +474,13 @@ class IntervalStats:
         self.steps = 0
         self.valid_tokens = 0
 
+    def _sums(self) -> list[torch.Tensor]:
+        return [self.loss, self.gnorm, self.ctx_keys, self.slot_correct, self.slot_count, self.tau_sum, self.blocks,
+                self.skipped]
+
     def reset(self) -> None:
         # Zeroed in place: a captured step (step_graph.py) adds into these very tensors.
-        torch._foreach_zero_([self.loss, self.gnorm, self.ctx_keys, self.slot_correct, self.slot_count,
-                              self.tau_sum, self.blocks, self.skipped])
+        torch._foreach_zero_(self._sums())
         self.steps = 0
         self.valid_tokens = 0
 
@@ -504,12 +507,11 @@ class IntervalStats:
 
     def pop(self) -> dict[str, torch.Tensor | float]:
         """Per-rank sums, ready for a sum-reduction over the group (copies: the sums restart at 0)."""
+        loss, gnorm, ctx_keys, correct, count, tau, blocks, skipped = (t.clone() for t in self._sums())
         out: dict[str, torch.Tensor | float] = {
-            "loss_sum": self.loss.clone(), "gnorm_sum": self.gnorm.clone(), "ctx_keys": self.ctx_keys.clone(),
-            "tau_sum": self.tau_sum.clone(), "blocks": self.blocks.clone(), "skipped": self.skipped.clone(),
-            "steps": float(self.steps), "valid_tokens": float(self.valid_tokens),
+            "loss_sum": loss, "gnorm_sum": gnorm, "ctx_keys": ctx_keys, "tau_sum": tau, "blocks": blocks,
+            "skipped": skipped, "steps": float(self.steps), "valid_tokens": float(self.valid_tokens),
         }
-        correct, count = self.slot_correct.clone(), self.slot_count.clone()
         for k in range(1, self.b):
             out[f"slot_correct_{k}"] = correct[k]
             out[f"slot_count_{k}"] = count[k]

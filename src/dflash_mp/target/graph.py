@@ -57,8 +57,6 @@ class ForwardGraph:
     from then on.
     """
 
-    signature = staticmethod(signature)
-
     def __init__(self, fn: Callable[..., list[torch.Tensor]], device: torch.device):
         self.fn, self.device = fn, device
         self.stream = torch.cuda.Stream(device)
@@ -70,7 +68,7 @@ class ForwardGraph:
     def __call__(self, *inputs: torch.Tensor | None) -> list[torch.Tensor]:
         if self.failed is not None:
             return self.fn(*inputs)
-        key = self.signature(inputs)
+        key = signature(inputs)
         with on_stream(self.stream, self.device) as caller:
             captured = self.graphs.get(key)
             if captured is not None:
