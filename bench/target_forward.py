@@ -15,6 +15,8 @@ always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-
 `-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
+`-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
+next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -99,7 +101,8 @@ def main() -> None:
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(@|$)", v) is not None
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
-                                      flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed)
+                                      flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
+                                      defer_residual="-nodefer" not in v)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

@@ -85,6 +85,81 @@ def test_compiled_target_runs_flex_outside_the_graph_and_matches_eager(tmp_path)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layers", [None, (0, 3), (3, 6)])
+def test_compiled_layers_hand_on_their_residual_and_capture_what_eager_does(tmp_path, layers):
+    """Compiled layer by layer, Llama-laid-out layers hand the next one (residual, delta) (DeferredAdd):
+    the captured layers (the first, middle ones, the model's last after its final norm) and, on a
+    stage before the last, the residual stream it passes on, equal the eager forward's; on a later
+    stage the previous stages' columns pass through."""
+    model = tiny_model(tmp_path)
+    truncate(model, 5)
+    cpu = torch.device("cpu")
+    worker = TargetWorker(model, [0, 2, 3, 5], cpu, compile=True, layers=layers)
+    assert worker.deferred and not TargetWorker(model, [0, 2, 3, 5], cpu, compile=True, layers=layers,
+                                                defer_residual=False).deferred
+    pb = packed([7, 12, 5], 32)
+    docs = pb.doc_ids
+    if worker.first_stage:
+        x, before = pb.input_ids, None
+    else:
+        x, before = torch.randn(32, 32), torch.randn(32, 64)
+    got = worker._forward(x, pb.position_ids, worker.masks(docs), before)
+    want = worker._forward(x, pb.position_ids, worker.masks(docs), before, eager=True)
+    assert got.shape == want.shape == (32, 32 * (len(worker.layer_ids) + (not worker.last_stage)) + (0 if before is None
+                                                                                                  else 64))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_whose_arithmetic_differs_is_compiled_as_it_is(tmp_path, caplog):
+    """A layer with Llama's submodules but another residual (here scaled by 0.5) is not run as a
+    DeferredAdd: the load check finds its eager DeferredAdd differs, warns, and compiles the layers as
+    they are; the compiled features still equal the eager ones."""
+    import logging
+    import types
+
+    model = tiny_model(tmp_path)
+    truncate(model, 3)
+
+    def scaled(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        a = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                           position_ids=position_ids, position_embeddings=position_embeddings)[0]
+        h = 0.5 * hidden_states + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    for layer in model.get_decoder().layers:
+        layer.forward = types.MethodType(scaled, layer)
+    worker = TargetWorker(model, [1, 3], torch.device("cpu"), compile=True)
+    assert worker.deferred
+    with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
+        assert worker.check_compiled(64) < 1e-5
+    assert "layer 0 run with its residual add deferred to the next layer differs" in caplog.text
+    assert worker.compiled and not worker.deferred
+    pb = packed([10, 6], 20)
+    torch.testing.assert_close(worker.forward(pb).hidden, TargetWorker(model, [1, 3], torch.device("cpu"))
+                               .forward(pb).hidden, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scope", ["layers", "forward"])
+def test_the_target_compiles_with_untimed_pointwise_configs(tmp_path, monkeypatch, scope):
+    """Every torch.compile of the target takes COMPILE_OPTIONS, which keep Inductor from timing its
+    pointwise configs (the timed pick of the 8B SwiGLU's config flipped between runs, 1.80 against
+    2.79 ms a forward on the GPU)."""
+    from dflash_mp.target import worker as worker_module
+
+    seen = []
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs.get("options"))
+        return fn
+
+    monkeypatch.setattr(worker_module.torch, "compile", spy)
+    model = tiny_model(tmp_path)
+    truncate(model, 3)
+    TargetWorker(model, [1, 3], torch.device("cpu"), compile=True, compile_scope=scope)
+    assert len(seen) == (4 if scope == "layers" else 1)
+    assert all(o == {"triton.autotune_pointwise": False} for o in seen)
+
+
 def test_later_layers_and_lm_head_never_run(tmp_path):
     model = tiny_model(tmp_path)
     calls = []

@@ -27,6 +27,43 @@ from .weights import causal_lm_class, load_stage, random_init_seed, random_targe
 log = logging.getLogger(__name__)
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# Inductor times two configs of each pointwise kernel the first time it runs and keeps the faster. For
+# the 8B SwiGLU (3072 x 12288 elements) the pick came out either way in runs of the same code on one
+# machine, and the forward's SwiGLU took 1.80 or 2.79 ms (BENCHMARKS.md, issue 31). Untimed, Inductor
+# takes its first config (1024 elements, 4 warps), the fast one.
+COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+# The submodules of a decoder layer laid out as Llama's (Qwen2/3, Mistral, ...): pre-norm attention and
+# MLP, each added to the residual stream. Other layouts (Gemma's four norms, linear-attention mixers)
+# run as they are.
+PLAIN_LAYER = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
+
+
+class DeferredAdd(nn.Module):
+    """Decoder layer laid out as Llama's, run with its last residual add left to the next layer.
+
+    Compiled one layer at a time, a layer ends with `residual + mlp(...)` and the next one starts with
+    its input norm of that sum: two kernels over the residual stream, which is written by the first and
+    read back by the second. Here a layer takes the previous one's pair (residual, delta) instead,
+    adds them as its first op, and returns (that sum, its own residual after attention, its MLP
+    output): Inductor fuses the add into the input norm (one pass reads both and writes the sum and
+    the normed row), as it does for the add after attention. Eager, these are the layer's own ops on
+    the same values in the same order, so the outputs are bit-identical (TargetWorker.check_compiled
+    checks that at load); compiled, the norm reads the sum before its bf16 rounding, as Inductor's
+    fused add and norm after attention already do (the 8B target's captured layers move by bf16
+    noise, BENCHMARKS.md)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
+        h = residual + delta  # the previous layer's output
+        layer = self.layer
+        a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=attention_mask,
+                            position_ids=position_ids, position_embeddings=position_embeddings)[0]
+        mid = h + a
+        m = layer.mlp(layer.post_attention_layernorm(mid))
+        return h, mid, (m[0] if isinstance(m, tuple) else m)
 
 
 def head_dim_of(config) -> int:
@@ -68,11 +105,15 @@ class TargetWorker:
 
     `cuda_graph`: `forward` replays the forward as a CUDA graph where it can be captured (graph.py;
     `self.graph_why` says why not where it cannot).
+
+    `defer_residual`: compiled layer by layer, layers laid out as Llama's hand the next one their
+    (residual, delta) pair and it adds them inside its input norm (DeferredAdd): one pass over the
+    residual stream less per layer (0.6 ms of an 8B forward). Checked at load (check_compiled).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
-                 compile_scope: str = "layers", cuda_graph: bool = False):
+                 compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -125,14 +166,16 @@ class TargetWorker:
         self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
         self.compiled, self.compile_scope = compile, compile_scope
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
+        self.deferred = False  # the compiled layers are DeferredAdds
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
-            self._calls = [torch.compile(m, dynamic=False) if first <= i < end else m
-                           for i, m in enumerate(decoder.layers)]
+            self.deferred = defer_residual and all({n for n, _ in decoder.layers[i].named_children()} == PLAIN_LAYER
+                                                   for i in range(first, end))
+            self._compile_layers()
             self._run = self._forward
         elif compile_scope == "forward":
-            self._run = torch.compile(self._forward, dynamic=False)
+            self._run = torch.compile(self._forward, dynamic=False, options=COMPILE_OPTIONS)
         else:
             raise ValueError(f"compile_scope={compile_scope!r}: use layers or forward")
         self.graph: ForwardGraph | None = None
@@ -185,13 +228,25 @@ class TargetWorker:
                         type(model).__name__)
         return worker
 
+    def _compile_layers(self) -> None:
+        first, end = self.stage_layers
+        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False, options=COMPILE_OPTIONS)
+                       if first <= i < end else m for i, m in enumerate(self.decoder.layers)]
+
     # ------------------------------------------------------------------------------------ forward
-    def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False
-                  ) -> torch.Tensor:
+    def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False,
+                  deferred: bool | None = None) -> torch.Tensor:
         """Decoder layer i on h [1, T, H] (position ids [1, T], RoPE tables, masks by layer type); eager
-        unless `compiled` (probes of other shapes never compile)."""
+        unless `compiled` (probes of other shapes never compile). `deferred`: run it as a DeferredAdd
+        handed (h, 0) (default: as the forward runs it)."""
+        mask = masks[self.layer_types[i]]
+        deferred = self.deferred and compiled if deferred is None else deferred
+        if deferred:
+            layer = self._calls[i] if compiled else DeferredAdd(self._eager_calls[i])
+            _, mid, delta = layer(h, torch.zeros_like(h), mask, pos, rope)
+            return mid + delta
         layer = (self._calls if compiled else self._eager_calls)[i]
-        out = layer(h, attention_mask=masks[self.layer_types[i]], position_ids=pos, position_embeddings=rope)
+        out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
 
     def embed(self, x: torch.Tensor, pos: torch.Tensor):
@@ -213,12 +268,27 @@ class TargetWorker:
         whatever the scope (check_compiled)."""
         h, pos, rope = self.embed(x, pos)
         captured = []
-        for i in range(*self.stage_layers):
-            h = self.run_layer(i, h, pos, rope, masks, compiled=not eager)
-            if i in self._captures:
-                captured.append((h if i != self._last or self.final_norm is None else self.final_norm(h))[0])
+        first, end = self.stage_layers
+        if self.deferred and not eager:
+            delta = torch.zeros_like(h)
+            for i in range(first, end):
+                out, h, delta = self._calls[i](h, delta, masks[self.layer_types[i]], pos, rope)
+                if i - 1 in self._captures:  # `out` is layer i - 1's output
+                    captured.append(self._output(i - 1, out))
+            h = h + delta
+            if end - 1 in self._captures:
+                captured.append(self._output(end - 1, h))
+        else:
+            for i in range(first, end):
+                h = self.run_layer(i, h, pos, rope, masks, compiled=not eager)
+                if i in self._captures:
+                    captured.append(self._output(i, h))
         parts = ([] if self.last_stage else [h[0]]) + ([] if before is None else [before]) + captured
         return torch.cat(parts, dim=-1) if cat else parts
+
+    def _output(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Captured layer i from its output h [1, T, H]: after the final norm where i is the model's last."""
+        return (h if i != self._last or self.final_norm is None else self.final_norm(h))[0]
 
     def _graphed(self, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, before: torch.Tensor | None
                  ) -> list[torch.Tensor]:
@@ -311,6 +381,8 @@ class TargetWorker:
         else:
             h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
             row, rel = ProbeRow(self, docs, pos, h), 0.0
+            if self.deferred:
+                self._check_deferred(row, h)
             for i in range(*self.stage_layers):
                 want = row.run(self, i, h)
                 rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
@@ -321,12 +393,27 @@ class TargetWorker:
             log.warning("target %s: the compiled forward's features differ from the eager ones by %.2e per token "
                         "(mean relative, tolerance %.0e): running the target eager. target.compile=false "
                         "skips the compile and this check.", name, rel, tol)
-            self.compiled, self._run, self._calls = False, self._forward, self._eager_calls
+            self.compiled, self._run, self._calls, self.deferred = False, self._forward, self._eager_calls, False
             # The graph captures `_calls` as they are when it first runs, after this: eager layers now.
         else:
-            log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)", name,
-                     *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol)
+            log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)%s", name,
+                     *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol,
+                     "; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
         return rel
+
+    def _check_deferred(self, row, h: torch.Tensor) -> None:
+        """Each layer run eager as a DeferredAdd must give its own forward's output bit for bit (a layer
+        with Llama's submodules but other arithmetic, e.g. a scaled residual, does not); where one does
+        not, the layers are compiled as they are, warned."""
+        for i in range(*self.stage_layers):
+            want = row.run(self, i, h)
+            if not torch.equal(row.run(self, i, h, deferred=True), want):
+                log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
+                            "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
+                self.deferred = False
+                self._compile_layers()
+                return
+            h = want
 
     def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
         from .packing import check_packing
