@@ -5,11 +5,12 @@ sums a captured step adds into. That replays equal launched steps is checked on 
 import contextlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from dflash_mp.model import DFlashDrafter, DrafterArgs
-from dflash_mp.step_graph import StepGraph, unsupported
+from dflash_mp.step_graph import CAPTURE_AT, StepGraph, unsupported
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, IntervalStats, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -44,6 +45,10 @@ def test_the_trainer_says_why_its_step_is_launched():
     batch = synthetic_batch(128, 3 * 32, 256, "cpu", torch.float32, seed=0, lo=32, hi=64)
     on.train_step(batch)
     assert on.step == 1 and on.stats.steps == 1 and on.stats.valid_tokens == batch.num_valid_tokens > 0
+    on.graph_why, on.graph = None, SimpleNamespace(failed=None)  # a GPU trainer's graph, its states
+    assert on.describe_graph() == f"on (captured at this process's step {CAPTURE_AT}, replayed from then on)"
+    on.graph.failed = "RuntimeError: boom"
+    assert on.describe_graph() == "off (the capture failed: RuntimeError: boom; the steps run launched)"
 
 
 def test_interval_sums_restart_in_place_and_what_was_popped_stays():
@@ -70,14 +75,14 @@ class _Eager(StepGraph):
     checked against launched steps."""
 
     def __init__(self):
-        self.failed, self.steps, self.replays, self.graph, self.static = None, 0, 0, None, []
+        self.failed, self.steps, self.replays, self.graph = None, 0, 0, None
 
     def on_stream(self):
         return contextlib.nullcontext()
 
     def run(self, body, inputs, undo):
-        if not self.static:
-            self.static = [t.clone() for t in inputs]
+        if self.graph is None:  # the "capture": the graph's own input tensors
+            self.graph = SimpleNamespace(static=[t.clone() for t in inputs])
         for s, t in zip(self.static, inputs):
             s.copy_(t)
         body(*self.static)

@@ -4,6 +4,8 @@ handed on."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
@@ -37,6 +39,11 @@ def test_a_cpu_worker_has_no_graph_and_says_why():
     worker = TargetWorker(model, [1, 2, 3], CPU, cuda_graph=True)
     assert worker.graph is None and worker.describe_graph() == "off (no GPU)"
     assert TargetWorker(model, [1, 2, 3], CPU).describe_graph() == "off (target.cuda_graph=false)"
+    worker.graph_why, worker.graph = None, SimpleNamespace(failed=None)  # a GPU worker's graph, its states
+    assert worker.describe_graph() == "on (the forward is replayed as one CUDA graph)"
+    worker.graph.failed = "RuntimeError: operation not permitted when stream is capturing"
+    assert worker.describe_graph() == ("off (the capture failed: RuntimeError: operation not permitted when stream "
+                                       "is capturing; the forwards run launched)")
 
 
 @pytest.mark.gpu

@@ -37,6 +37,16 @@ def capture_failed(what: str, e: BaseException, fallback: str, fix: str) -> str:
     return why
 
 
+def describe_state(off: str | None, failed: str | None, on: str, fallback: str) -> str:
+    """A CUDA graph's state for the log and the choices table: off and why (`off`), on but its capture
+    failed and `fallback` runs instead, or on as `on` says."""
+    if off is not None:
+        return f"off ({off})"
+    if failed is not None:
+        return f"off (the capture failed: {failed}; {fallback})"
+    return f"on ({on})"
+
+
 @contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[torch.cuda.Stream]:
     """Runs the block on `stream`, ordered after the current stream's work so far and before its work

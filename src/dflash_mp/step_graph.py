@@ -51,7 +51,6 @@ class StepGraph:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.graph: Captured | None = None
-        self.static: list[torch.Tensor] = []  # the graph's inputs (empty before the capture)
         self.failed: str | None = None
         self.steps = 0  # steps run, launched or replayed
         self.replays = 0
@@ -60,6 +59,11 @@ class StepGraph:
         """Around a whole step: it runs on the graph's stream, ordered after the caller's stream's
         work so far (the batch) and before its work to come (reads of the weights, the next batch)."""
         return on_stream(self.stream, self.device)
+
+    @property
+    def static(self) -> list[torch.Tensor]:
+        """The captured graph's inputs (empty before the capture)."""
+        return [] if self.graph is None else self.graph.static
 
     @property
     def launching(self) -> bool:
@@ -86,7 +90,6 @@ class StepGraph:
                 self.failed = capture_failed("drafter step", e, "launched", "train.cuda_graph=false")
                 undo()
                 return False
-            self.static = self.graph.static
             log.info("drafter step: captured as a CUDA graph at step %d", self.steps + 1)
         self.graph.replay(inputs)
         self.replays += 1

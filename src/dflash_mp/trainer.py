@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch import HiddenBatch
+from .cuda_graph import describe_state
 from .model import (
     DFlashDrafter,
     DrafterArgs,
@@ -299,11 +300,10 @@ class DrafterTrainer:
 
     def describe_graph(self) -> str:
         """The step as a CUDA graph, for the choices table and the log."""
-        if self.graph is None:
-            return f"off ({self.graph_why})"
-        if self.graph.failed:
-            return f"capture failed ({self.graph.failed}); launched"
-        return f"on (captured at this process's step {CAPTURE_AT}, replayed from then on)"
+        g = self.graph
+        return describe_state(self.graph_why if g is None else None, g and g.failed,
+                              f"captured at this process's step {CAPTURE_AT}, replayed from then on",
+                              "the steps run launched")
 
     def train_step(self, hb: HiddenBatch, timed: bool = False, after_backward=None) -> float:
         """One optimizer step on this rank's batch; gradients averaged over the drafter group.
@@ -317,8 +317,10 @@ class DrafterTrainer:
             return lr
         inputs = [hb.hidden, hb.input_ids, hb.position_ids, hb.doc_ids, hb.loss_mask]
         with self.graph.on_stream():
-            if (self.graph.launching or after_backward is not None or not self.graph.fits(inputs)
-                    or not self._replay(hb, inputs, timed)):
+            replayed = False
+            if not self.graph.launching and after_backward is None and self.graph.fits(inputs):
+                replayed = self._replay(hb, inputs, timed)  # False: the capture failed
+            if not replayed:
                 self._launched_step(hb, timed, after_backward)
                 self.graph.launched()
         return lr

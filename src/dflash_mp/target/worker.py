@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..batch import HiddenBatch, PackedBatch
+from ..cuda_graph import describe_state
 from .linear_attn import Spans, describe as describe_linear, documents, install
 from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
 from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
@@ -297,11 +298,9 @@ class TargetWorker:
         return self._forward(x, pos, self.masks(docs), before, cat=False)
 
     def describe_graph(self) -> str:
-        if self.graph is None:
-            return f"off ({self.graph_why})"
-        if self.graph.failed is not None:
-            return f"off (the capture failed: {self.graph.failed})"
-        return "on (the forward is replayed as one CUDA graph)"
+        g = self.graph
+        return describe_state(self.graph_why if g is None else None, g and g.failed,
+                              "the forward is replayed as one CUDA graph", "the forwards run launched")
 
     def masks(self, docs: torch.Tensor) -> dict:
         """The packed-document mask per layer type (linear-attention layers, and all layers under
