@@ -10,7 +10,8 @@
 # Measured (BENCHMARKS.md, issue 31): contention is not what decides the pick. The 8B target's SwiGLU
 # took 1.80 ms a forward with the contended compile's config and 2.79 with the clean one's; the
 # drafter's kernels came out the same both ways. The target now compiles its pointwise kernels untimed
-# (target/worker.py COMPILE_OPTIONS), so run this on a commit before 2026-12-02 to see the flip.
+# (target/worker.py COMPILE_OPTIONS): with them the target's rows of this script show that config
+# only; to see the flip again, empty COMPILE_OPTIONS.
 # JSON per part in $OUT/{contended,clean}/, the log in $OUT/autotune.log.
 set -u
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
