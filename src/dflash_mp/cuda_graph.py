@@ -37,13 +37,13 @@ def capture_failed(what: str, e: BaseException, fallback: str, fix: str) -> str:
     return why
 
 
-def describe_state(off: str | None, failed: str | None, on: str, fallback: str) -> str:
-    """A CUDA graph's state for the log and the choices table: off and why (`off`), on but its capture
-    failed and `fallback` runs instead, or on as `on` says."""
-    if off is not None:
-        return f"off ({off})"
-    if failed is not None:
-        return f"off (the capture failed: {failed}; {fallback})"
+def describe_state(graph, why_off: str | None, on: str, fallback: str) -> str:
+    """A CUDA graph's state for the log and the choices table: off and why (`graph` None), its capture
+    failed (`graph.failed`) and `fallback` runs instead, or on as `on` says."""
+    if graph is None:
+        return f"off ({why_off})"
+    if graph.failed is not None:
+        return f"off (the capture failed: {graph.failed}; {fallback})"
     return f"on ({on})"
 
 

@@ -300,8 +300,7 @@ class DrafterTrainer:
 
     def describe_graph(self) -> str:
         """The step as a CUDA graph, for the choices table and the log."""
-        g = self.graph
-        return describe_state(self.graph_why if g is None else None, g and g.failed,
+        return describe_state(self.graph, self.graph_why,
                               f"captured at this process's step {CAPTURE_AT}, replayed from then on",
                               "the steps run launched")
 

@@ -41,6 +41,14 @@ def use_tma(flag: bool | None, *xs: torch.Tensor) -> bool:
     return aligned and has_tma(xs[0].device)
 
 
+def key_value_tiles(flag: bool | None, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[bool, object, object]:
+    """(TMA, what a kernel loads its key and value tiles from): descriptors with a box of `block_n` rows
+    of one head where `use_tma(flag, k, v)`, else k and v themselves."""
+    if use_tma(flag, k, v):
+        return True, head_descriptor(k, block_n), head_descriptor(v, block_n)
+    return False, k, v
+
+
 def head_descriptor(x: torch.Tensor, block_n: int):
     """A tensor descriptor over `x` `[T, H, D]` whose box is `block_n` rows of one head (a kernel loads
     it as `tl.reshape(desc.load([n0, h, 0]), [block_n, D])`; rows past T come back as zeros)."""

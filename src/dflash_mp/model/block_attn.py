@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import head_descriptor, input_precision, last_dim_dense, launch, use_tma
+from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
@@ -123,14 +123,6 @@ def _kernels():
     return block_attn_fwd, block_attn_bwd_dq, block_attn_bwd_dkv
 
 
-def _context_tiles(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[bool, object, object]:
-    """(TMA, what the kernel loads its context tiles of k and v from): descriptors with a box of
-    `block_n` rows where TMA is on, else k and v themselves."""
-    if use_tma(USE_TMA, k, v):
-        return True, head_descriptor(k, block_n), head_descriptor(v, block_n)
-    return False, k, v
-
-
 def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int, int, int, int, int]:
     """(T, A, Hkv, G, ROWS, D) of a call."""
     n_q, hq, d = q.shape
@@ -150,7 +142,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
-    tma, kd, vd = _context_tiles(k, v, TILES["BLOCK_N"])
+    tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["BLOCK_N"])
     launch(fwd, (A, hkv), (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0), q.stride(1),
                             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                             T, scale * math.log2(math.e)),
@@ -183,7 +175,7 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
     common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=input_precision(q))
-    tma, kd, vd = _context_tiles(k, v, TILES["DQ_BLOCK_N"])
+    tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["DQ_BLOCK_N"])
     launch(dq_kernel, (A, hkv), (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end, anchor,
                                   order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                   v.stride(1), out.stride(0), out.stride(1), grad.stride(0), grad.stride(1), T,

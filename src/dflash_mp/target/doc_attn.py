@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import head_descriptor, input_precision, last_dim_dense, launch, use_tma
+from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
 # diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
@@ -83,8 +83,7 @@ def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: tor
 
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tma = use_tma(USE_TMA, k, v)
-    kk, vv = (head_descriptor(x, block_n) for x in (k, v)) if tma else (k, v)
+    tma, kk, vv = key_value_tiles(USE_TMA, k, v, block_n)
     launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
            (q, kk, vv, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),

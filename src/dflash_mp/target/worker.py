@@ -298,9 +298,8 @@ class TargetWorker:
         return self._forward(x, pos, self.masks(docs), before, cat=False)
 
     def describe_graph(self) -> str:
-        g = self.graph
-        return describe_state(self.graph_why if g is None else None, g and g.failed,
-                              "the forward is replayed as one CUDA graph", "the forwards run launched")
+        return describe_state(self.graph, self.graph_why, "the forward is replayed as one CUDA graph",
+                              "the forwards run launched")
 
     def masks(self, docs: torch.Tensor) -> dict:
         """The packed-document mask per layer type (linear-attention layers, and all layers under
@@ -379,13 +378,7 @@ class TargetWorker:
             rel = float(per_token_rel(got[None], want[None]).mean())
         else:
             h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
-            row, rel = ProbeRow(self, docs, pos, h), 0.0
-            if self.deferred:
-                self._check_deferred(row, h)
-            for i in range(*self.stage_layers):
-                want = row.run(self, i, h)
-                rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
-                h = want
+            rel = self._check_layers(ProbeRow(self, docs, pos, h), h)
         tol = 1e-3 if self.dtype == torch.float32 else 0.1
         name = type(self.model).__name__
         if not rel <= tol:
@@ -400,19 +393,26 @@ class TargetWorker:
                      "; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
         return rel
 
-    def _check_deferred(self, row, h: torch.Tensor) -> None:
-        """Each layer run eager as a DeferredAdd must give its own forward's output bit for bit (a layer
-        with Llama's submodules but other arithmetic, e.g. a scaled residual, does not); where one does
-        not, the layers are compiled as they are, warned."""
+    def _check_layers(self, row, h: torch.Tensor) -> float:
+        """check_compiled layer by layer from the probe row's input h: the largest mean relative
+        difference per token of a compiled layer from its eager output. Deferred, each layer run eager as
+        a DeferredAdd must also give its own forward's output bit for bit (a layer with Llama's
+        submodules but other arithmetic, e.g. a scaled residual, does not); where one does not, the
+        layers are compiled as they are, warned, and checked again from the start."""
+        from .packing import per_token_rel
+
+        rel, h0 = 0.0, h
         for i in range(*self.stage_layers):
             want = row.run(self, i, h)
-            if not torch.equal(row.run(self, i, h, deferred=True), want):
+            if self.deferred and not torch.equal(row.run(self, i, h, deferred=True), want):
                 log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
                             "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
                 self.deferred = False
                 self._compile_layers()
-                return
+                return self._check_layers(row, h0)
+            rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
             h = want
+        return rel
 
     def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
         from .packing import check_packing
