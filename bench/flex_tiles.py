@@ -75,6 +75,16 @@ TRITON_VARIANTS = {
     "triton-n2x64": {"BLOCK_N2": 64, "dkv_warps": 4},  # dK/dV over 64-row tiles: fewer registers per program
     "triton-fwd128": {"BLOCK_N": 128, "fwd_warps": 8},
     "triton-fwds4": {"fwd_stages": 4},
+    # Two consecutive blocks per program (block_attn's q_blocks / dkv_blocks): 128-row tiles at 8B shapes,
+    # so 8 warps where the forward and dQ had 4, and dQ over 64-key tiles (three 128 x 128 fp32 tiles
+    # would not fit in registers).
+    "triton-pair": {"q_blocks": 2, "dkv_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},
+    "triton-pairq": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},
+    "triton-pairq-dq128": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8},
+    "triton-pairq-n128": {"q_blocks": 2, "fwd_warps": 8, "BLOCK_N": 128, "fwd_stages": 2, "dq_warps": 8,
+                          "DQ_BLOCK_N": 64, "dq_stages": 3},
+    "triton-pairkv": {"dkv_blocks": 2},
+    "triton-pairkv-n64": {"dkv_blocks": 2, "BLOCK_N2": 64},
 }
 
 

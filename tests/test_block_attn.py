@@ -16,15 +16,17 @@ from torch.nn.attention.flex_attention import create_mask
 import triton_interp
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod, resolve_backend
-from dflash_mp.model.block_attn import block_spans, unsupported
+from dflash_mp.model.block_attn import block_spans, blocks_per_program, unsupported
 from dflash_mp.triton_launch import use_tma
 
 # (T, A, B, Hq, Hkv, D, window, document lengths): full and sliding; invalid anchors (fewer
 # candidates than A); 3 query heads per KV head (48 rows in a 64-row tile); B = 32; one document;
-# T not a multiple of the key tile.
+# T not a multiple of the key tile; an odd number of blocks (the last pair has one).
 CASES = [
     (80, 6, 16, 4, 2, 16, None, [30, 37]),
     (80, 6, 16, 4, 2, 16, 5, [30, 37]),
+    (80, 5, 16, 4, 2, 16, None, [30, 37]),
+    (80, 5, 16, 4, 2, 16, 5, [30, 37]),
     (100, 40, 16, 6, 2, 16, None, [3, 40, 20]),
     (100, 40, 16, 6, 2, 16, 7, [3, 40, 20]),
     (70, 4, 16, 2, 2, 32, 20, [70]),
@@ -66,17 +68,18 @@ def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
 
 
-def check_interpreter() -> None:
-    """Every case in fp32 through the interpreter, the context tiles through pointers and through
-    descriptors (whose rows past a span's end are other blocks' keys, not zeros): the kernels'
-    arithmetic is the dense path's."""
+def check_interpreter(blocks: int) -> None:
+    """Every case in fp32 through the interpreter, `blocks` blocks per program in every kernel, the
+    context tiles through pointers and through descriptors (whose rows past a span's end are other
+    blocks' keys, not zeros): the kernels' arithmetic is the dense path's."""
     from dflash_mp.model import block_attn
 
+    block_attn.TILES.update(q_blocks=blocks, dkv_blocks=blocks)
     for tma in (False, True):
         block_attn.USE_TMA = tma
         for case in CASES:
             errors = compare(*case)
-            assert max(errors.values()) < 1e-5, (tma, case, errors)
+            assert max(errors.values()) < 1e-5, (tma, blocks, case, errors)
 
 
 def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blocks_that_see_them():
@@ -102,8 +105,12 @@ def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blo
             for i in range(lo, hi):
                 assert i in touched or spans.start[i] == spans.end[i], (j, i)
         assert sorted(spans.order.tolist()) == list(range(A))
-        lengths = (spans.end - spans.start)[spans.order.long()]
-        assert (lengths.diff() <= 0).all()  # longest span first
+        lengths = spans.end - spans.start
+        assert (lengths[spans.order.long()].diff() <= 0).all()  # longest span first
+        pairs = [(2 * p, 2 * p + 1) for p in spans.pair_order.tolist()]
+        assert sorted(i for pair in pairs for i in pair if i < A) == list(range(A))
+        work = [sum(int(lengths[i]) for i in pair if i < A) for pair in pairs]
+        assert work == sorted(work, reverse=True)  # most context rows first
 
 
 def test_shapes_the_kernels_refuse_are_named_with_the_fix():
@@ -114,22 +121,37 @@ def test_shapes_the_kernels_refuse_are_named_with_the_fix():
     with pytest.raises(ValueError, match="drafter.attention=triton cannot run block_size=12.*drafter.attention=flex"):
         resolve_backend("triton", "cpu", unsupported(32, 8, 128, 12))
     assert resolve_backend("auto", "cpu") == "dense"
+    # Two blocks per program where their rows fit one tile (8B: 4 heads x 16 slots, twice), else one.
+    assert blocks_per_program(2, 64) == 2 and blocks_per_program(2, 128) == 1 and blocks_per_program(1, 64) == 1
+    with pytest.raises(ValueError, match="asks for 3 blocks per program; the kernels take 1 or 2"):
+        blocks_per_program(3, 32)
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_kernels_match_dense_attention_in_the_triton_interpreter():
-    run = triton_interp.run("test_block_attn", "check_interpreter()")
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_kernels_match_dense_attention_in_the_triton_interpreter(blocks):
+    run = triton_interp.run("test_block_attn", f"check_interpreter({blocks})")
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_kernels_match_dense_attention_on_cuda(compiled):
-    """bf16 at 8B-like head shapes (32 query heads over 8 KV heads, D = 128), eager and compiled."""
+    """bf16 at 8B-like head shapes (32 query heads over 8 KV heads, D = 128), eager and compiled, one
+    block per program and two (with 8 warps where the rows double: the tiles a pair runs with)."""
+    from dflash_mp.model import block_attn
+
     torch._dynamo.reset()
-    for window in (None, 64):
-        errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16, compiled)
-        assert max(errors.values()) < 2e-2, (window, errors)
+    tiles = dict(block_attn.TILES)
+    try:
+        for blocks in (1, 2):
+            if blocks == 2:
+                block_attn.TILES.update(q_blocks=2, dkv_blocks=2, fwd_warps=8, dq_warps=8, DQ_BLOCK_N=64)
+            for window in (None, 64):
+                errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16, compiled)
+                assert max(errors.values()) < 2e-2, (blocks, window, errors)
+    finally:
+        block_attn.TILES.update(tiles)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

@@ -19,6 +19,11 @@ visited, and GQA needs no repeat of K/V (the G heads' rows meet the same K/V til
   whose spans touch the tile. Valid anchors are sorted and their documents are contiguous spans,
   so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`.
 
+A program may take two consecutive blocks' rows as one tile (`TILES["q_blocks"]` for the forward and
+dQ, `"dkv_blocks"` for dK/dV, where 2 x G*B fits in MAX_ROWS): the matmuls get twice the rows for each
+key/value tile loaded. Consecutive blocks of one document share their span's start; each row keeps to
+its own block's span.
+
 Programs run longest span first (`order`), so the long ones do not start in the last wave. On sm_90
 and later the forward and dQ load their context tiles through tensor descriptors (TMA, `USE_TMA`), as
 the target's doc_attn.py loads its key tiles.
@@ -42,8 +47,8 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # 128-key tiles 1.87; dK/dV over 128-row tiles with 8 warps 2.03. dQ over 128 keys with 3 stages
 # needs 256 KiB of shared memory, more than an H200 has.
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 128, "BLOCK_N2": 128, "fwd_warps": 4, "fwd_stages": 3, "dq_warps": 4,
-         "dq_stages": 2, "dkv_warps": 8, "dkv_stages": 2}
-MAX_ROWS = 128  # G*B rows per program beyond which the tile would not fit in registers
+         "dq_stages": 2, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 1, "dkv_blocks": 1}
+MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
 # has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and
 # strides); None decides so, True or False forces it (tests run both paths in Triton's interpreter;
@@ -68,6 +73,13 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     return None
 
 
+def blocks_per_program(want: int, rows: int) -> int:
+    """`want` (1 or 2) blocks' `rows` each in one program's tile, or 1 where two would pass MAX_ROWS."""
+    if want not in (1, 2):
+        raise ValueError(f"block_attn.TILES asks for {want} blocks per program; the kernels take 1 or 2")
+    return want if want * rows <= MAX_ROWS else 1
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
     from .ce_kernels import available as triton_available
@@ -83,6 +95,7 @@ class BlockSpans:
     end: torch.Tensor  # [A] int32: one past its last (the anchor; T for an invalid anchor)
     anchor: torch.Tensor  # [A] int32: the anchor's position (the window's reference)
     order: torch.Tensor  # [A] int32: blocks, longest span first
+    pair_order: torch.Tensor  # [ceil(A / 2)] int32: block pairs (2p, 2p + 1), most context rows first
     lo: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: first block whose span touches context tile j
     hi: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: one past the last
     tile_order: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: context tiles, most blocks first
@@ -110,9 +123,11 @@ def block_spans(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
     lo = torch.searchsorted(end, tiles, right=True)  # first span ending after the tile's first row
     hi = torch.maximum(torch.searchsorted(start, tiles + key_tile), lo)  # first span starting past it
     i32 = torch.int32
+    length = end - start
+    pairs = torch.nn.functional.pad(length, (0, length.shape[0] % 2)).view(-1, 2).sum(1)
     return BlockSpans(
         start=start.to(i32), end=end.to(i32), anchor=anchors.to(i32),
-        order=torch.argsort(start - end, stable=True).to(i32),
+        order=torch.argsort(-length, stable=True).to(i32), pair_order=torch.argsort(-pairs, stable=True).to(i32),
         lo=lo.to(i32), hi=hi.to(i32), tile_order=torch.argsort(lo - hi, stable=True).to(i32),
         block_size=block_size, window=int(window or 0), key_tile=key_tile)
 
@@ -135,25 +150,26 @@ def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int,
 def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                         anchor: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                         tile_order: torch.Tensor, block_size: int, window: int, scale: float,
-                        key_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out `[Q, Hq, D]`, lse); `lo`, `hi`, `tile_order`, `key_tile` are the backward's."""
+                        key_tile: int, q_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[Q, Hq, D]`, lse); `order` lists the programs of `q_blocks` blocks each (BlockSpans' order
+    or pair_order); `lo`, `hi`, `tile_order`, `key_tile` are the backward's."""
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["BLOCK_N"])
-    launch(fwd, (A, hkv), (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0), q.stride(1),
-                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                            T, scale * math.log2(math.e)),
-            dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
-                 PREC=input_precision(q), TMA=tma),
+    launch(fwd, (order.shape[0], hkv), (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0),
+                                         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                         out.stride(0), out.stride(1), T, A, scale * math.log2(math.e)),
+            dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
+                 PREC=input_precision(q), TMA=tma, NB=q_blocks),
             TILES["fwd_warps"], TILES["fwd_stages"], q.device)
     return out, lse
 
 
 @block_attention_fwd.register_fake
-def _(q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile):
+def _(q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile, q_blocks):
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(A * hkv * rows, dtype=torch.float32)
 
@@ -162,9 +178,10 @@ def _(q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window
 def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, start: torch.Tensor, end: torch.Tensor, anchor: torch.Tensor,
                         order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile_order: torch.Tensor,
-                        block_size: int, window: int, scale: float, key_tile: int
+                        block_size: int, window: int, scale: float, key_tile: int, q_blocks: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's and k's shapes."""
+    """(dq, dk, dv) in q's and k's shapes; dK/dV over context tiles takes `TILES["dkv_blocks"]` blocks'
+    rows at a time where they fit."""
     # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16. q, k and v
     # contiguous (as the projections produce them): the kernels address dq, dk, dv with their strides.
     grad, out = (last_dim_dense(x.to(q.dtype)) for x in (grad, out))
@@ -174,18 +191,19 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     delta = torch.empty_like(lse)
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
-    common = dict(HKV=hkv, G=g, B=block_size, ROWS=rows, D=d, WINDOW=window, PREC=input_precision(q))
+    common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q))
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["DQ_BLOCK_N"])
-    launch(dq_kernel, (A, hkv), (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end, anchor,
-                                  order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                                  v.stride(1), out.stride(0), out.stride(1), grad.stride(0), grad.stride(1), T,
-                                  scale2, scale),
-            dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma), TILES["dq_warps"], TILES["dq_stages"],
+    launch(dq_kernel, (order.shape[0], hkv), (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end,
+                                               anchor, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                               v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                                               grad.stride(0), grad.stride(1), T, A, scale2, scale),
+            dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma, NB=q_blocks), TILES["dq_warps"], TILES["dq_stages"],
             q.device)
     launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
                                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                              v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-            dict(common, BLOCK_N2=key_tile), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
+            dict(common, BLOCK_N2=key_tile, NB=blocks_per_program(TILES["dkv_blocks"], rows)), TILES["dkv_warps"],
+            TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
 
@@ -196,21 +214,22 @@ def _grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
 
 
 @block_attention_bwd.register_fake
-def _(grad, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile):
+def _(grad, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile,
+      q_blocks):
     return _grads_like(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile = inputs
+    q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile, q_blocks = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], start, end, anchor, order, lo, hi, tile_order)
-    ctx.args = (block_size, window, scale, key_tile)
+    ctx.args = (block_size, window, scale, key_tile, q_blocks)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order = ctx.saved_tensors
     dq, dk, dv = block_attention_bwd(grad_out, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order,
                                      *ctx.args)
-    return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
+    return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
 block_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -220,6 +239,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Bl
                     scale: float | None = None) -> torch.Tensor:
     """q `[Q, Hq, D]`, k/v `[T + Q, Hkv, D]` -> `[Q, Hq, D]`, the attention `make_mask_mod` describes."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, _ = block_attention_fwd(q, k, v, spans.start, spans.end, spans.anchor, spans.order, spans.lo, spans.hi,
-                                 spans.tile_order, spans.block_size, spans.window, scale, spans.key_tile)
+    nb = blocks_per_program(TILES["q_blocks"], _shape(q, k, spans.block_size)[4])
+    out, _ = block_attention_fwd(q, k, v, spans.start, spans.end, spans.anchor,
+                                 spans.pair_order if nb == 2 else spans.order, spans.lo, spans.hi, spans.tile_order,
+                                 spans.block_size, spans.window, scale, spans.key_tile, nb)
     return out

@@ -3,17 +3,24 @@ Module-level functions, so the jitted helpers resolve in Triton's CPU interprete
 matmuls' input precision, "ieee" for fp32 inputs (fp32 training stays fp32, not TF32). `TMA`: KD and VD
 are tensor descriptors over K and V (`[T + Q, Hkv, D]`, a box of BLOCK_N rows of one head) from which
 the forward and dQ load their context tiles, else K and V again; the block's own keys and the dK/dV
-kernel load through the pointers K and V either way."""
+kernel load through the pointers K and V either way.
+
+`NB` blocks per program (1 or 2): a program's tile holds NB consecutive blocks' rows, RB rows each
+(G*B rounded up to a power of two), so NB = 2 doubles the matmuls' row count and halves the key/value
+tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
+documents, disjoint spans, which the program walks one after the other (no key tile between them)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _rows(g, G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr):
-    """Tile row r of KV head g: (r, whether it is a real row, its slot, its query head)."""
-    r = tl.arange(0, ROWS)
-    return r, r < G * B, r % B, g * G + r // B
+def _rows(g, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr):
+    """Tile row r of KV head g: (r, its row within its block, the block's place in the program (0..NB-1),
+    whether it is a real row, its slot, its query head)."""
+    r = tl.arange(0, NB * RB)
+    rr = r % RB
+    return r, rr, r // RB, rr < G * B, rr % B, g * G + rr // B
 
 
 @triton.jit
@@ -30,78 +37,126 @@ def _online(s, m, l, acc, v, vis, PREC: tl.constexpr):
 
 
 @triton.jit
-def _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr):
-    """K/V rows [n0, n0 + BLOCK_N) of KV head g and which (slot, key) pairs see them: rows up to `end`,
-    and on sliding layers within the window of slot k's position a + k. Through descriptors, rows from
-    `end` on come as they are in the tensor (zeros only past its last row): `vis` keeps them out of
-    every score, so their p is 0 in the forward and in dQ and nothing of them reaches a result."""
+def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr):
+    """Per row: its block's span [start, end) and anchor; and the program's walks [lo1, hi1), [lo2, hi2)
+    over the context: one where its blocks' spans overlap (or NB = 1), two where they are disjoint."""
+    srow = tl.load(START + i, mask=live, other=T)
+    erow = tl.load(END + i, mask=live, other=T)
+    arow = tl.load(ANCH + i, mask=live, other=0)
+    lo1 = tl.load(START + i0)
+    hi1 = tl.load(END + i0)
+    lo2 = hi1
+    hi2 = hi1
+    if NB == 2:
+        has_b = i0 + 1 < A
+        s_b = tl.load(START + i0 + 1, mask=has_b, other=T)
+        e_b = tl.load(END + i0 + 1, mask=has_b, other=T)
+        apart = s_b >= hi1  # valid anchors ascend, so start and end ascend: b never starts before a
+        lo2 = tl.where(apart, s_b, hi1)
+        hi2 = tl.where(apart, e_b, hi1)
+        hi1 = tl.where(apart, hi1, tl.maximum(hi1, e_b))
+    return srow, erow, arow, lo1, hi1, lo2, hi2
+
+
+@triton.jit
+def _context_keys(K, V, KD, VD, n0, hi, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr):
+    """K/V rows [n0, n0 + BLOCK_N) of KV head g, cut at the walk's end `hi`, and which (row, key) pairs
+    see them: each row its block's span, and on sliding layers the window of slot k's position a + k.
+    Through descriptors, rows from `hi` on come as they are in the tensor (zeros only past its last
+    row): `vis` keeps them out of every score, so their p is 0 in the forward and in dQ and nothing of
+    them reaches a result."""
     n = n0 + tl.arange(0, BLOCK_N)
-    ok = n < end
+    ok = n < hi
     if TMA:
         kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
         vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
     else:
         kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
         vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
-    vis = ok[None, :]
+    if NB == 1:  # one block: its span is the walk
+        vis = ok[None, :]
+    else:
+        vis = ok[None, :] & (n[None, :] >= srow[:, None]) & (n[None, :] < erow[:, None])
     if WINDOW > 0:
-        vis = vis & (n[None, :] > a + slot[:, None] - WINDOW)
+        vis = vis & (n[None, :] > arow[:, None] + slot[:, None] - WINDOW)
     return kt, vt, vis
 
 
 @triton.jit
-def _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.constexpr, WINDOW: tl.constexpr):
-    """Block i's own B keys (rows T + i*B ..) of KV head g, and which (slot, key) pairs see them: all of
-    them, or on sliding layers the causal ones within the window."""
-    j = tl.arange(0, B)
-    nb = T + i * B + j
-    kb = tl.load(K + nb[:, None] * sk_s + g * sk_h + d[None, :])
-    vb = tl.load(V + nb[:, None] * sv_s + g * sv_h + d[None, :])
-    vis = j[None, :] < B
+def _own_keys(K, V, T, A, i0, blk, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.constexpr, WINDOW: tl.constexpr,
+              NB: tl.constexpr):
+    """The program's blocks' own keys (rows T + i0*B .., B per block) of KV head g, whether each exists,
+    and which (row, key) pairs see them: a block's rows all of its keys, or on sliding layers the causal
+    ones within the window."""
+    j = tl.arange(0, NB * B)
+    jb = j // B
+    jj = j % B
+    nb = T + i0 * B + j
+    there = i0 + jb < A
+    kb = tl.load(K + nb[:, None] * sk_s + g * sk_h + d[None, :], mask=there[:, None], other=0.0)
+    vb = tl.load(V + nb[:, None] * sv_s + g * sv_h + d[None, :], mask=there[:, None], other=0.0)
+    vis = (jb[None, :] == blk[:, None]) & there[None, :]
     if WINDOW > 0:
-        vis = (j[None, :] <= slot[:, None]) & (slot[:, None] - j[None, :] < WINDOW)
-    return nb, kb, vb, vis
+        vis = vis & (jj[None, :] <= slot[:, None]) & (slot[:, None] - jj[None, :] < WINDOW)
+    return nb, there, kb, vb, vis
 
 
 @triton.jit
 def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s,
-        so_h, T, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
-        D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """Block i (the program's place in ORDER), KV head g: output rows and their log-sum-exp (base 2)."""
-    i = tl.load(ORDER + tl.program_id(0))
+        so_h, T, A, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+        NB: tl.constexpr):
+    """Blocks i0 .. i0 + NB - 1 (i0 = NB x the program's place in ORDER), KV head g: output rows and
+    their log-sum-exp (base 2)."""
+    i0 = tl.load(ORDER + tl.program_id(0)) * NB
     g = tl.program_id(1)
-    r, live, slot, head = _rows(g, G, B, ROWS)
+    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
+    i = i0 + blk
+    live = real & (i < A)
     qrow = i * B + slot
     d = tl.arange(0, D)
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
-    start = tl.load(START + i)
-    end = tl.load(END + i)
-    a = tl.load(ANCH + i)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        kt, vt, vis = _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N,
-                                    WINDOW, TMA)
+    srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
+    m = tl.full([NB * RB], float("-inf"), tl.float32)
+    l = tl.zeros([NB * RB], tl.float32)
+    acc = tl.zeros([NB * RB, D], tl.float32)
+    for n0 in range(lo1, hi1, BLOCK_N):
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
+                                    D, BLOCK_N, WINDOW, TMA, NB)
         m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, vis, PREC)
-    nb, kb, vb, vis = _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW)
+    for n0 in range(lo2, hi2, BLOCK_N):
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi2, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
+                                    D, BLOCK_N, WINDOW, TMA, NB)
+        m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, vis, PREC)
+    nb, there, kb, vb, vis = _own_keys(K, V, T, A, i0, blk, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW, NB)
     m, l, acc = _online(tl.dot(q, tl.trans(kb), input_precision=PREC) * scale2, m, l, acc, vb, vis, PREC)
     out = acc / l[:, None]
     tl.store(O + qrow[:, None] * so_s + head[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
              mask=live[:, None])
-    tl.store(LSE + (i * HKV + g) * ROWS + r, m + tl.log2(l))
+    tl.store(LSE + (i * HKV + g) * RB + rr, m + tl.log2(l), mask=i < A)
+
+
+@triton.jit
+def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr):
+    """One key tile's share of dQ, and its p and dS."""
+    p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
+    ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
+    return dq + tl.dot(ds.to(kt.dtype), kt, input_precision=PREC), p, ds
 
 
 @triton.jit
 def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h,
-           sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr,
-           G: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """Block i, KV head g: dQ of its rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of its own B keys."""
-    i = tl.load(ORDER + tl.program_id(0))
+           sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, A, scale2, scale, HKV: tl.constexpr,
+           G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr):
+    """Blocks i0 .. i0 + NB - 1, KV head g: dQ of their rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of
+    their own keys."""
+    i0 = tl.load(ORDER + tl.program_id(0)) * NB
     g = tl.program_id(1)
-    r, live, slot, head = _rows(g, G, B, ROWS)
+    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
+    i = i0 + blk
+    live = real & (i < A)
     qrow = i * B + slot
     d = tl.arange(0, D)
     rows2d = live[:, None]
@@ -109,27 +164,25 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
     do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=rows2d, other=0.0)
     o = tl.load(O + qrow[:, None] * so_s + head[:, None] * so_h + d[None, :], mask=rows2d, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + (i * HKV + g) * ROWS + r, delta)
-    lse = tl.load(LSE + (i * HKV + g) * ROWS + r)
-    start = tl.load(START + i)
-    end = tl.load(END + i)
-    a = tl.load(ANCH + i)
-    dq = tl.zeros([ROWS, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        kt, vt, vis = _context_keys(K, V, KD, VD, n0, end, a, g, slot, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N,
-                                    WINDOW, TMA)
-        p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)
-    nb, kb, vb, vis = _own_keys(K, V, T, i, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW)
-    p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kb), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
-    ds = p * (tl.dot(do, tl.trans(vb), input_precision=PREC) - delta[:, None])
-    dq += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-    # The block's own keys: only its rows see them, and the G heads' rows sum in the matmul.
+    tl.store(DELTA + (i * HKV + g) * RB + rr, delta, mask=i < A)
+    lse = tl.load(LSE + (i * HKV + g) * RB + rr, mask=i < A, other=0.0)
+    srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
+    dq = tl.zeros([NB * RB, D], tl.float32)
+    for n0 in range(lo1, hi1, BLOCK_N):
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
+                                    D, BLOCK_N, WINDOW, TMA, NB)
+        dq, p, ds = _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC)
+    for n0 in range(lo2, hi2, BLOCK_N):
+        kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi2, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
+                                    D, BLOCK_N, WINDOW, TMA, NB)
+        dq, p, ds = _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC)
+    nb, there, kb, vb, vis = _own_keys(K, V, T, A, i0, blk, g, slot, d, sk_s, sk_h, sv_s, sv_h, B, WINDOW, NB)
+    dq, p, ds = _dq_tile(q, do, kb, vb, vis, lse, delta, dq, scale2, PREC)
+    # The blocks' own keys: only their block's rows see them, and the G heads' rows sum in the matmul.
     dvb = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
     dkb = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-    tl.store(DK + nb[:, None] * sk_s + g * sk_h + d[None, :], dkb.to(DK.dtype.element_ty))
-    tl.store(DV + nb[:, None] * sv_s + g * sv_h + d[None, :], dvb.to(DV.dtype.element_ty))
+    tl.store(DK + nb[:, None] * sk_s + g * sk_h + d[None, :], dkb.to(DK.dtype.element_ty), mask=there[:, None])
+    tl.store(DV + nb[:, None] * sv_s + g * sv_h + d[None, :], dvb.to(DV.dtype.element_ty), mask=there[:, None])
     tl.store(DQ + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=rows2d)
 
@@ -137,11 +190,13 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 @triton.jit
 def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
             sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
-            ROWS: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi)."""
+            RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+            NB: tl.constexpr):
+    """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
+    NB blocks' rows at a time."""
     t = tl.load(TORDER + tl.program_id(0))
     g = tl.program_id(1)
-    r, live, slot, head = _rows(g, G, B, ROWS)
+    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
     d = tl.arange(0, D)
     n = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
     in_t = n < T
@@ -151,19 +206,21 @@ def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI
     dv = tl.zeros([BLOCK_N2, D], tl.float32)
     lo = tl.load(LO + t)
     hi = tl.load(HI + t)
-    for i in range(lo, hi):
+    for i0 in range(lo, hi, NB):
+        i = i0 + blk
+        live = real & (i < hi)
         qrow = i * B + slot
         q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
         do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None],
                      other=0.0)
-        lse = tl.load(LSE + (i * HKV + g) * ROWS + r)
-        delta = tl.load(DELTA + (i * HKV + g) * ROWS + r)
-        start = tl.load(START + i)
-        end = tl.load(END + i)
-        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
+        lse = tl.load(LSE + (i * HKV + g) * RB + rr, mask=i < hi, other=0.0)
+        delta = tl.load(DELTA + (i * HKV + g) * RB + rr, mask=i < hi, other=0.0)
+        start = tl.load(START + i, mask=live, other=T)
+        end = tl.load(END + i, mask=live, other=T)
+        vis = (n[:, None] >= start[None, :]) & (n[:, None] < end[None, :]) & live[None, :]
         if WINDOW > 0:
-            a = tl.load(ANCH + i)
-            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
+            a = tl.load(ANCH + i, mask=live, other=0)
+            vis = vis & (n[:, None] > a[None, :] + slot[None, :] - WINDOW)
         pt = tl.where(vis, tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :]), 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])

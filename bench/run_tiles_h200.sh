@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Larger attention tiles (issue 31, BENCHMARKS.md), one H200, from the repo root:
+#   bash bench/run_tiles_h200.sh [PART...]   # PART: tests doc target btiles drafter (default: all)
+# 1. the CUDA tests of both attention kernels (each with its new tiles too), while the drafter's and the
+#    target's default graphs compile in the background;
+# 2. per layer: the target's kernel with the query heads of a KV head in one program (doc_attn.TILES'
+#    PACK) and the drafter's block kernels with two blocks per program (block_attn.TILES' q_blocks,
+#    dkv_blocks), against today's tiles;
+# 3. the fastest of each sweep (bench/pick_tiles.py) in the whole 8B forward / step, against the default,
+#    interleaved (A B A B: the first variant of a process tends to time fastest).
+# JSON + the log (tiles.log) go to $OUT (the lent machine) or bench/results.
+set -u
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/bench/results}"
+LOG="$OUT/tiles.log"
+export OUT
+t0=$SECONDS
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
+PARTS=${*:-tests doc target btiles drafter}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+DOC_TILES=${DOC_TILES:-triton,triton-m32n32w8s3p4,triton-m32n32w4s3p4,triton-m64n32w8s3p2,triton-m64n64w8s3p2,triton-m32n16w8s3p4,triton-m32n32w8s2p4,triton-m64n32w8s3p4,triton,triton-m32n32w8s3p4}
+B_TILES=${B_TILES:-triton,triton-pair,triton-pairq,triton-pairq-dq128,triton-pairq-n128,triton-pairkv,triton-pairkv-n64,triton,triton-pair}
+TV=trunc-triton-compiled-graph
+DM=default+ce=triton
+cd bench
+W=$(mktemp -d)
+warm=()  # the timed parts' default graphs compile in the background while the tests run
+if has drafter; then
+    (TORCHINDUCTOR_COMPILE_THREADS=6 OUT=$W timeout "${T_WARM:-300}" python3 drafter_step.py --preset qwen3_8b \
+        --modes $DM --scope layers --steps 1 --warmup 2 > "$W/wd.log" 2>&1) & warm+=($!)
+fi
+if has target; then
+    (TORCHINDUCTOR_COMPILE_THREADS=4 OUT=$W timeout "${T_WARM:-300}" python3 target_forward.py --variants $TV --steps 1 \
+        > "$W/wt.log" 2>&1) & warm+=($!)
+fi
+has tests && step gpu_tests "${T_TESTS:-240}" env TORCHINDUCTOR_COMPILE_THREADS=4 python3 -m pytest -q -rs \
+    -p no:cacheprovider ../tests/test_block_attn.py ../tests/test_doc_attn.py ${GPU_TESTS:-}
+for j in ${warm[@]+"${warm[@]}"}; do wait "$j"; done
+echo "== warm-up done at $((SECONDS - t0)) s: $(tail -qn1 "$W"/*.log 2>/dev/null | cut -c1-80 | tr '\n' ' ')" | tee -a "$LOG"
+has doc && step doc_attn_tiles "${T_DOCTILES:-120}" python3 doc_attn_tiles.py --variants "$DOC_TILES"
+has btiles && step flex_tiles "${T_TILES:-200}" python3 flex_tiles.py --variants "$B_TILES" \
+    --budget-s $(( ${T_TILES:-200} - 40 ))
+# The sweeps' picks, or (without them in this call) $DOC / $BT as given.
+[ -f "$OUT/doc_attn_tiles.json" ] && DOC=${DOC:-$(python3 pick_tiles.py doc "$OUT/doc_attn_tiles.json")}
+[ -f "$OUT/flex_tiles_qwen3_8b.json" ] && BT=${BT:-$(python3 pick_tiles.py drafter "$OUT/flex_tiles_qwen3_8b.json")}
+echo "== picked: target @${DOC:-none}, drafter +btiles=${BT:-none}" | tee -a "$LOG"
+if has target && [ -n "${DOC:-}" ]; then
+    step target_8b "${T_TARGET:-150}" python3 target_forward.py --steps 10 --variants "$TV,$TV@$DOC,$TV,$TV@$DOC"
+fi
+if has drafter && [ -n "${BT:-}" ]; then
+    step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --scope layers --loss-steps 0 \
+        --steps 10 --warmup 3 --modes "$DM,$DM+btiles=$BT,$DM,$DM+btiles=$BT"
+fi
+grep -E "^(qwen3_|target forward|target attention, one|flex_attention, one)" -A12 "$LOG" | grep -v "^--" | cut -c1-170
+grep -E "GPU ms.* by kernel class|passed|failed|picked" "$LOG" | cut -c1-300
