@@ -49,7 +49,7 @@ if has target && [ -n "${DOC:-}" ]; then
 fi
 if has drafter && [ -n "${BT:-}" ]; then
     step drafter_8b "${T_DRAFTER:-200}" python3 drafter_step.py --preset qwen3_8b --scope layers --loss-steps 0 \
-        --steps 10 --warmup 3 --modes "$DM,$DM+btiles=$BT,$DM,$DM+btiles=$BT"
+        --steps 10 --warmup 3 --modes "${DRAFTER_MODES:-$DM,$DM+btiles=$BT,$DM,$DM+btiles=$BT}"
 fi
 grep -E "^(qwen3_|target forward|target attention, one|flex_attention, one)" -A12 "$LOG" | grep -v "^--" | cut -c1-170
 grep -E "GPU ms.* by kernel class|passed|failed|picked" "$LOG" | cut -c1-300

@@ -45,9 +45,13 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
 # rows per program. One layer's backward: 2.29 ms with 64/64, 4 warps, 2 stages everywhere; dQ over
 # 128-key tiles 1.87; dK/dV over 128-row tiles with 8 warps 2.03. dQ over 128 keys with 3 stages
-# needs 256 KiB of shared memory, more than an H200 has.
-TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 128, "BLOCK_N2": 128, "fwd_warps": 4, "fwd_stages": 3, "dq_warps": 4,
-         "dq_stages": 2, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 1, "dkv_blocks": 1}
+# needs 256 KiB of shared memory, more than an H200 has. Then two blocks per program in the forward and
+# dQ (128-row tiles, 8 warps, dQ over 64-key tiles in 3 stages): the backward 2.03-2.24 ms against
+# 2.38-2.65 with one block, the step's block attention 10.0 ms against 11.7; two blocks in dK/dV was
+# slower (5.5-5.9 ms: its 128 x 128 tiles of four matmuls spill), and so was dQ over 64-key tiles with one
+# block (3.0 ms).
+TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
+         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2, "dkv_blocks": 1}
 MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
 # has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and

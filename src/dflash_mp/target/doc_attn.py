@@ -32,7 +32,10 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # rows, PACK heads of one KV head (cut to what divides the target's query heads per KV head). Measured on
 # the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py, GPU time of one layer, BENCHMARKS.md):
 # one head per program, 64 rows over 32 keys, 4 warps, 3 stages the fastest; 64 over 64 next; 128-row
-# tiles with 8 warps and flex_attention slower. 64 and 256 follow from it, unmeasured.
+# tiles with 8 warps and flex_attention slower. The 4 heads of a KV head in one program (32 positions,
+# 8 warps, 128-row tiles): 0.106 ms a layer alone against 0.113, but 4.8-4.9 ms a forward against
+# 4.5-4.8 inside the 8B forward, whose wall time it did not improve (67.66 / 67.22 against 67.05 /
+# 67.56 ms, interleaved); so one head per program. 64 and 256 follow from it, unmeasured.
 TILES = {64: (64, 32, 4, 3, 1), 128: (64, 32, 4, 3, 1), 256: (64, 32, 4, 3, 1)}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
 # Key/value tiles loaded through tensor descriptors (TMA), where the GPU has the copy engine for them
