@@ -19,7 +19,6 @@ import gc
 import sys
 
 import torch
-import torch._inductor.config  # +cdt sets it per mode
 
 from common import DRAFTERS, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
@@ -48,18 +47,16 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+bptr` the Triton block kernels load their context key/value tiles through pointers
     (block_attn.USE_TMA=False; without it, through tensor descriptors on sm_90+);
     `+nograph` train.cuda_graph=false (every step launched from Python; the default captures the
-    step as one CUDA graph at step 3 where it can, step_graph.py);
-    `+cdt` Inductor's coordinate-descent tuning of each Triton kernel's launch config while this mode
-    compiles (torch._inductor.config.coordinate_descent_tuning)."""
+    step as one CUDA graph at step 3 where it can, step_graph.py)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "cdt") or (
+                       "nograph", "bptr") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +cdt, +tiles=NAME or +btiles=NAME "
+                             f"+serial, +nograph, +bptr, +tiles=NAME or +btiles=NAME "
                              f"(NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -224,7 +221,6 @@ def main() -> None:
     from dflash_mp.model import block_attn
 
     use_tma = block_attn.USE_TMA
-    cdt = torch._inductor.config.coordinate_descent_tuning
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
@@ -233,14 +229,12 @@ def main() -> None:
                 block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[flags["btiles"]]))
             if flags.get("bptr"):
                 block_attn.USE_TMA = False
-            torch._inductor.config.coordinate_descent_tuning = bool(flags.get("cdt"))
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
             block_attn.TILES.update(DEFAULT_TILES)
             block_attn.USE_TMA = use_tma
-            torch._inductor.config.coordinate_descent_tuning = cdt
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

@@ -4,8 +4,9 @@
 # 1. the CUDA tests of both attention kernels (each with its new tiles too), while the drafter's and the
 #    target's default graphs compile in the background;
 # 2. per layer: the target's kernel with the query heads of a KV head in one program (doc_attn.TILES'
-#    PACK) and the drafter's block kernels with two blocks per program (block_attn.TILES' q_blocks,
-#    dkv_blocks), against today's tiles;
+#    PACK) against one head a program (the default); the drafter's block kernels with one block a program
+#    (triton-single, the previous default) and with two in more of them, against the default (two blocks
+#    in the forward and dQ since this sweep, bench/flex_tiles.py's TRITON_VARIANTS);
 # 3. the fastest of each sweep (bench/pick_tiles.py) in the whole 8B forward / step, against the default,
 #    interleaved (A B A B: the first variant of a process tends to time fastest).
 # JSON + the log (tiles.log) go to $OUT (the lent machine) or bench/results.
@@ -19,7 +20,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 PARTS=${*:-tests doc target btiles drafter}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 DOC_TILES=${DOC_TILES:-triton,triton-m32n32w8s3p4,triton-m32n32w4s3p4,triton-m64n32w8s3p2,triton-m64n64w8s3p2,triton-m32n16w8s3p4,triton-m32n32w8s2p4,triton-m64n32w8s3p4,triton,triton-m32n32w8s3p4}
-B_TILES=${B_TILES:-triton,triton-pair,triton-pairq,triton-pairq-dq128,triton-pairq-n128,triton-pairkv,triton-pairkv-n64,triton,triton-pair}
+B_TILES=${B_TILES:-triton-single,triton,triton-pair,triton-pairq-dq128,triton-pairq-n128,triton-pairkv,triton-pairkv-n64,triton-single,triton}
 TV=trunc-triton-compiled-graph
 DM=default+ce=triton
 cd bench
