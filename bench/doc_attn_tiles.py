@@ -4,8 +4,7 @@ it) against the Triton kernel (target.attn_implementation=triton) per tile choic
     python bench/doc_attn_tiles.py [--variants flex,triton,triton-m128n128w8s2,...] [--seq-len 3072]
 
 q [3072, 32, 128], k/v [3072, 8, 128], bf16, the documents of target_forward.py's row (same seed).
-`triton-mMnNwWsS[pP]`: BLOCK_M=M query rows, BLOCK_N=N keys (N divides M), W warps, S stages, P query heads
-per program (default 1); a last `-ptr` or
+`triton-mMnNwWsS`: BLOCK_M=M query rows, BLOCK_N=N keys (N divides M), W warps, S stages; a last `-ptr` or
 `-tma` loads the key/value tiles through pointers or tensor descriptors (default: descriptors on sm_90+). ms is GPU kernel time per
 call (profiler); wall_ms, the host's time per call, is launch-bound at this size. TFLOP/s counts the
 visible (query, key) pairs only: 4 * D * pairs * heads. Every variant's output is compared with the first's.
@@ -58,11 +57,11 @@ def main() -> None:
                 flex = torch.compile(flex_attention, dynamic=False)
                 fn = lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)  # noqa: E731
             else:
-                m = re.fullmatch(r"triton(?:-m(\d+)n(\d+)w(\d+)s(\d+)(?:p(\d+))?)?(-ptr|-tma)?", name)
+                m = re.fullmatch(r"triton(?:-m(\d+)n(\d+)w(\d+)s(\d+))?(-ptr|-tma)?", name)
                 if m is None:
                     raise ValueError(f"unknown variant {name!r}")
-                doc_attn.TILES[d] = tuple(int(x or 1) for x in m.groups()[:5]) if m.group(1) else default_tiles
-                doc_attn.USE_TMA = {"-ptr": False, "-tma": True}.get(m.group(6))
+                doc_attn.TILES[d] = tuple(int(x) for x in m.groups()[:4]) if m.group(1) else default_tiles
+                doc_attn.USE_TMA = {"-ptr": False, "-tma": True}.get(m.group(5))
                 rows = doc_attn.doc_rows(docs, d)
                 fn = lambda: doc_attn.doc_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),  # noqa: E731
                                                     v[0].transpose(0, 1), rows)[None]

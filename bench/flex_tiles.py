@@ -75,20 +75,17 @@ TRITON_VARIANTS = {
     "triton-n2x64": {"BLOCK_N2": 64, "dkv_warps": 4},  # dK/dV over 64-row tiles: fewer registers per program
     "triton-fwd128": {"BLOCK_N": 128, "fwd_warps": 8},
     "triton-fwds4": {"fwd_stages": 4},
-    # Two consecutive blocks per program (block_attn's q_blocks / dkv_blocks): 128-row tiles at 8B shapes,
+    # Two consecutive blocks per program in the forward and dQ (block_attn's q_blocks): 128-row tiles at 8B shapes,
     # so 8 warps where the forward and dQ had 4, and dQ over 64-key tiles (three 128 x 128 fp32 tiles
     # would not fit in registers). triton-pairq is the default since it was measured (BENCHMARKS.md).
     # The previous default: one block per program, the forward and dQ with 4 warps, dQ over 128-key tiles.
     "triton-single": {"q_blocks": 1, "fwd_warps": 4, "dq_warps": 4, "DQ_BLOCK_N": 128, "dq_stages": 2},
-    "triton-pair": {"q_blocks": 2, "dkv_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},
     "triton-pairq": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},
     "triton-pairq-dq128": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8},
     "triton-pairq-n128": {"q_blocks": 2, "fwd_warps": 8, "BLOCK_N": 128, "fwd_stages": 2, "dq_warps": 8,
                           "DQ_BLOCK_N": 64, "dq_stages": 3},
     "triton-pairq-s2": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 2},
     "triton-dq64w8": {"dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},  # pairq's dQ tiles, one block a program
-    "triton-pairkv": {"dkv_blocks": 2},
-    "triton-pairkv-n64": {"dkv_blocks": 2, "BLOCK_N2": 64},
 }
 
 

@@ -1,8 +1,8 @@
 """The fastest Triton variant of a tile sweep's JSON, for bench/run_tiles_h200.sh to time in the whole
 step or forward next:
 
-    python bench/pick_tiles.py doc  $OUT/doc_attn_tiles.json     # -> e.g. m32n32w8s3p4 (target_forward's @ suffix)
-    python bench/pick_tiles.py drafter $OUT/flex_tiles_qwen3_8b.json  # -> e.g. triton-pair (a +btiles= name)
+    python bench/pick_tiles.py doc  $OUT/doc_attn_tiles.json     # -> e.g. m64n64w4s3 (target_forward's @ suffix)
+    python bench/pick_tiles.py drafter $OUT/flex_tiles_qwen3_8b.json  # -> e.g. triton-pairq-s2 (a +btiles= name)
 
 Only variants that ran and differ from the default are picked from (doc: the kernel's time per layer;
 drafter: forward + backward per layer); prints nothing where none ran."""

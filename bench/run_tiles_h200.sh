@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Larger attention tiles (issue 31, BENCHMARKS.md), one H200, from the repo root:
 #   bash bench/run_tiles_h200.sh [PART...]   # PART: tests doc target btiles drafter (default: all)
-# 1. the CUDA tests of both attention kernels (each with its new tiles too), while the drafter's and the
-#    target's default graphs compile in the background;
-# 2. per layer: the target's kernel with the query heads of a KV head in one program (doc_attn.TILES'
-#    PACK) against one head a program (the default); the drafter's block kernels with one block a program
-#    (triton-single, the previous default) and with two in more of them, against the default (two blocks
-#    in the forward and dQ since this sweep, bench/flex_tiles.py's TRITON_VARIANTS);
+# 1. the CUDA tests of both attention kernels (the block kernels with one and two blocks a program),
+#    while the drafter's and the target's default graphs compile in the background;
+# 2. per layer: the target's kernel's tiles against its default (bench/doc_attn_tiles.py; the packed
+#    query heads this script swept first were dropped since); the drafter's block kernels with one block
+#    a program (triton-single, the previous default) and other tiles of two, against the default (two
+#    blocks in the forward and dQ since this sweep, bench/flex_tiles.py's TRITON_VARIANTS);
 # 3. the fastest of each sweep (bench/pick_tiles.py) in the whole 8B forward / step, against the default,
 #    interleaved (A B A B: the first variant of a process tends to time fastest).
 # JSON + the log (tiles.log) go to $OUT (the lent machine) or bench/results.
@@ -19,8 +19,8 @@ t0=$SECONDS
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 PARTS=${*:-tests doc target btiles drafter}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-DOC_TILES=${DOC_TILES:-triton,triton-m32n32w8s3p4,triton-m32n32w4s3p4,triton-m64n32w8s3p2,triton-m64n64w8s3p2,triton-m32n16w8s3p4,triton-m32n32w8s2p4,triton-m64n32w8s3p4,triton,triton-m32n32w8s3p4}
-B_TILES=${B_TILES:-triton-single,triton,triton-pair,triton-pairq-dq128,triton-pairq-n128,triton-pairkv,triton-pairkv-n64,triton-single,triton}
+DOC_TILES=${DOC_TILES:-triton,triton-m64n64w4s3,triton-m64n32w8s3,triton-m128n64w8s3,triton}
+B_TILES=${B_TILES:-triton-single,triton,triton-pairq-dq128,triton-pairq-n128,triton-pairq-s2,triton-dq64w8,triton-single,triton}
 TV=trunc-triton-compiled-graph
 DM=default+ce=triton
 cd bench

@@ -11,8 +11,7 @@ norm + RoPE into its kernel); `trunc-flex-compiled`, the GPU default, keeps it o
 `trunc-varlen[-compiled]` run FlashAttention-2's varlen kernel on the row's documents (CUDA only),
 always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-document kernel
 (target.attn_implementation=triton, the GPU default), inside the compiled layers; a suffix
-`@mMnNwWsS[pP]` runs it with BLOCK_M=M, BLOCK_N=N, W warps, S stages, P query heads per program (default 1)
-instead of `doc_attn.TILES`.
+`@mMnNwWsS` runs it with BLOCK_M=M, BLOCK_N=N, W warps, S stages instead of `doc_attn.TILES`.
 `-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
@@ -76,9 +75,9 @@ def main() -> None:
     default_tiles = dict(doc_attn.TILES)
     for v in variants:
         try:
-            tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)(?:p(\d+))?", v)
+            tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
-                doc_attn.TILES[c["head_dim"]] = tuple(int(x or 1) for x in tiles.groups())
+                doc_attn.TILES[c["head_dim"]] = tuple(int(x) for x in tiles.groups())
             if re.search(r"-ptr(-|@|$)", v):
                 doc_attn.USE_TMA = False
             if v.startswith("full"):

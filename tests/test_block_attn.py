@@ -69,12 +69,12 @@ def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32
 
 
 def check_interpreter(blocks: int) -> None:
-    """Every case in fp32 through the interpreter, `blocks` blocks per program in every kernel, the
+    """Every case in fp32 through the interpreter, `blocks` blocks per program in the forward and dQ, the
     context tiles through pointers and through descriptors (whose rows past a span's end are other
     blocks' keys, not zeros): the kernels' arithmetic is the dense path's."""
     from dflash_mp.model import block_attn
 
-    block_attn.TILES.update(q_blocks=blocks, dkv_blocks=blocks)
+    block_attn.TILES.update(q_blocks=blocks)
     for tma in (False, True):
         block_attn.USE_TMA = tma
         for case in CASES:
@@ -138,14 +138,14 @@ def test_kernels_match_dense_attention_in_the_triton_interpreter(blocks):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_kernels_match_dense_attention_on_cuda(compiled):
     """bf16 at 8B-like head shapes (32 query heads over 8 KV heads, D = 128), eager and compiled: two
-    blocks per program in the forward and dQ (the default), then in dK/dV too, then one block everywhere
-    with the tiles it ran with before."""
+    blocks per program in the forward and dQ (the default), then one block with the tiles it ran with
+    before."""
     from dflash_mp.model import block_attn
 
     torch._dynamo.reset()
     tiles = dict(block_attn.TILES)
     try:
-        for name, changes in (("pairs", {}), ("pairs in dK/dV too", dict(dkv_blocks=2)),
+        for name, changes in (("pairs", {}),
                               ("one block", dict(q_blocks=1, fwd_warps=4, dq_warps=4, DQ_BLOCK_N=128, dq_stages=2))):
             block_attn.TILES.update(tiles, **changes)
             for window in (None, 64):

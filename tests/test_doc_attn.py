@@ -32,7 +32,7 @@ CASES = [
     (160, 2, 2, 64, None, [160]),  # one document, T a multiple of the tiles: every middle tile unmasked
     (150, 6, 2, 64, 70, [1, 64, 5, 80]),  # a 1-token document, 3 query heads per KV head, T not a tile multiple
 ]
-SMALL_TILES = {64: (32, 16, 4, 1, 1)}  # 32-row query tiles over 16-key tiles: many tiles of each kind
+SMALL_TILES = {64: (32, 16, 4, 1)}  # 32-row query tiles over 16-key tiles: many tiles of each kind
 
 
 def dense(docs: torch.Tensor, window=None) -> torch.Tensor:
@@ -116,13 +116,10 @@ def test_key_tiles_that_do_not_divide_the_query_tiles_are_refused(monkeypatch):
     keys past the diagonal unmasked."""
     from dflash_mp.target import doc_attn
 
-    monkeypatch.setitem(doc_attn.TILES, 64, (64, 128, 4, 2, 1))
+    monkeypatch.setitem(doc_attn.TILES, 64, (64, 128, 4, 2))
     docs = doc_ids(100, [40, 60])
     q = torch.zeros(100, 2, 64)
     with pytest.raises(ValueError, match=r"BLOCK_N=128 must divide BLOCK_M=64 \(doc_attn.TILES\[64\]\)"):
-        doc_attn.doc_attention(q, q, q, doc_rows(docs, 64))
-    monkeypatch.setitem(doc_attn.TILES, 64, (64, 32, 4, 2, 3))  # 3 x 64 rows: no power-of-two tile
-    with pytest.raises(ValueError, match=r"PACK=3 must be a power of two \(doc_attn.TILES\[64\]\)"):
         doc_attn.doc_attention(q, q, q, doc_rows(docs, 64))
 
 
@@ -149,27 +146,24 @@ def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, comp
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def check_kernel(pack: int) -> None:
-    """Every case through pointers and through descriptors, `pack` query heads per program (cut to what
-    divides each case's query heads per KV head: with 4 asked, 2 heads where there are 2, else 1)."""
+def check_kernel() -> None:
     from dflash_mp.target import doc_attn
 
-    doc_attn.TILES[64] = SMALL_TILES[64][:4] + (pack,)
+    doc_attn.TILES.update(SMALL_TILES)
     for tma in (False, True):  # key/value tiles through pointers, then through tensor descriptors
         doc_attn.USE_TMA = tma
         for case in CASES:
             for layout in ("thd", "htd"):
                 err = compare(*case, q_layout=layout)
-                assert err < 1e-5, (tma, pack, case, layout, err)
-    doc_attn.TILES[64] = (32, 32, 4, 1, pack)  # key tiles as large as the query tiles
+                assert err < 1e-5, (tma, case, layout, err)
+    doc_attn.TILES[64] = (32, 32, 4, 1)  # key tiles as large as the query tiles
     err = compare(*CASES[0])
     assert err < 1e-5, err
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-@pytest.mark.parametrize("pack", [1, 4])
-def test_the_kernel_equals_dense_attention_in_the_triton_interpreter(pack):
-    run = triton_interp.run("test_doc_attn", f"check_kernel({pack})")
+def test_the_kernel_equals_dense_attention_in_the_triton_interpreter():
+    run = triton_interp.run("test_doc_attn", "check_kernel()")
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -207,19 +201,15 @@ def test_the_kernel_equals_dense_attention_on_cuda(D, window):
     through tensor descriptors (the default on sm_90+) and through pointers."""
     from dflash_mp.target import doc_attn
 
-    tiles = doc_attn.TILES[D]
     try:
-        for pack in (1, 4):  # one query head per program, and the 4 of a KV head in one 128-row tile
-            doc_attn.TILES[D] = tiles if pack == 1 else (32, 32, 8, 3, 4)
-            for tma in (None, False):
-                doc_attn.USE_TMA = tma
-                for compiled in (False, True):
-                    err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16,
-                                  compiled=compiled, q_layout="htd")
-                    assert err < 1e-2, (pack, tma, compiled, err)
+        for tma in (None, False):
+            doc_attn.USE_TMA = tma
+            for compiled in (False, True):
+                err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16,
+                              compiled=compiled, q_layout="htd")
+                assert err < 1e-2, (tma, compiled, err)
     finally:
         doc_attn.USE_TMA = None
-        doc_attn.TILES[D] = tiles
 
 
 @pytest.mark.gpu

@@ -19,9 +19,8 @@ visited, and GQA needs no repeat of K/V (the G heads' rows meet the same K/V til
   whose spans touch the tile. Valid anchors are sorted and their documents are contiguous spans,
   so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`.
 
-A program may take two consecutive blocks' rows as one tile (`TILES["q_blocks"]` for the forward and
-dQ, `"dkv_blocks"` for dK/dV, where 2 x G*B fits in MAX_ROWS): the matmuls get twice the rows for each
-key/value tile loaded. Consecutive blocks of one document share their span's start; each row keeps to
+The forward and dQ may take two consecutive blocks' rows as one tile (`TILES["q_blocks"]`, where
+2 x G*B fits in MAX_ROWS): the matmuls get twice the rows for each key/value tile loaded. Consecutive blocks of one document share their span's start; each row keeps to
 its own block's span.
 
 Programs run longest span first (`order`), so the long ones do not start in the last wave. On sm_90
@@ -52,7 +51,7 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # block (3.0 ms). Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
-         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2, "dkv_blocks": 1}
+         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
 MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
 # has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and
@@ -185,8 +184,7 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile_order: torch.Tensor,
                         block_size: int, window: int, scale: float, key_tile: int, q_blocks: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's and k's shapes; dK/dV over context tiles takes `TILES["dkv_blocks"]` blocks'
-    rows at a time where they fit."""
+    """(dq, dk, dv) in q's and k's shapes."""
     # Under autocast the incoming gradient may be fp32 while the saved tensors are bf16. q, k and v
     # contiguous (as the projections produce them): the kernels address dq, dk, dv with their strides.
     grad, out = (last_dim_dense(x.to(q.dtype)) for x in (grad, out))
@@ -207,8 +205,7 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     launch(dkv_kernel, (lo.shape[0], hkv), (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order,
                                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                              v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-            dict(common, BLOCK_N2=key_tile, NB=blocks_per_program(TILES["dkv_blocks"], rows)), TILES["dkv_warps"],
-            TILES["dkv_stages"], q.device)
+            dict(common, BLOCK_N2=key_tile), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
 

@@ -5,9 +5,9 @@ are tensor descriptors over K and V (`[T + Q, Hkv, D]`, a box of BLOCK_N rows of
 the forward and dQ load their context tiles, else K and V again; the block's own keys and the dK/dV
 kernel load through the pointers K and V either way.
 
-`NB` blocks per program (1 or 2): a program's tile holds NB consecutive blocks' rows, RB rows each
-(G*B rounded up to a power of two), so NB = 2 doubles the matmuls' row count and halves the key/value
-tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
+`NB` blocks per program in the forward and dQ (1 or 2): a program's tile holds NB consecutive blocks'
+rows, RB rows each (G*B rounded up to a power of two), so NB = 2 doubles the matmuls' row count and
+halves the key/value tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
 documents, disjoint spans, which the program walks one after the other (no key tile between them)."""
 
 import triton
@@ -190,13 +190,12 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 @triton.jit
 def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
             sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
-            RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
-            NB: tl.constexpr):
+            RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
     """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
-    NB blocks' rows at a time."""
+    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md)."""
     t = tl.load(TORDER + tl.program_id(0))
     g = tl.program_id(1)
-    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
+    r, _, _, live, slot, head = _rows(g, G, B, RB, 1)
     d = tl.arange(0, D)
     n = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
     in_t = n < T
@@ -206,21 +205,19 @@ def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI
     dv = tl.zeros([BLOCK_N2, D], tl.float32)
     lo = tl.load(LO + t)
     hi = tl.load(HI + t)
-    for i0 in range(lo, hi, NB):
-        i = i0 + blk
-        live = real & (i < hi)
+    for i in range(lo, hi):
         qrow = i * B + slot
         q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
         do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None],
                      other=0.0)
-        lse = tl.load(LSE + (i * HKV + g) * RB + rr, mask=i < hi, other=0.0)
-        delta = tl.load(DELTA + (i * HKV + g) * RB + rr, mask=i < hi, other=0.0)
-        start = tl.load(START + i, mask=live, other=T)
-        end = tl.load(END + i, mask=live, other=T)
-        vis = (n[:, None] >= start[None, :]) & (n[:, None] < end[None, :]) & live[None, :]
+        lse = tl.load(LSE + (i * HKV + g) * RB + r)
+        delta = tl.load(DELTA + (i * HKV + g) * RB + r)
+        start = tl.load(START + i)
+        end = tl.load(END + i)
+        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
         if WINDOW > 0:
-            a = tl.load(ANCH + i, mask=live, other=0)
-            vis = vis & (n[:, None] > a[None, :] + slot[None, :] - WINDOW)
+            a = tl.load(ANCH + i)
+            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
         pt = tl.where(vis, tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :]), 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])

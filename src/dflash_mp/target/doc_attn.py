@@ -27,16 +27,14 @@ import torch
 from ..batch import document_starts
 from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch
 
-# (BLOCK_M query positions, BLOCK_N keys, warps, stages, PACK query heads per program) per head_dim;
-# BLOCK_N divides BLOCK_M (the kernel's diagonal starts at a key tile); a program's tile is PACK x BLOCK_M
-# rows, PACK heads of one KV head (cut to what divides the target's query heads per KV head). Measured on
-# the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py, GPU time of one layer, BENCHMARKS.md):
-# one head per program, 64 rows over 32 keys, 4 warps, 3 stages the fastest; 64 over 64 next; 128-row
-# tiles with 8 warps and flex_attention slower. The 4 heads of a KV head in one program (32 positions,
-# 8 warps, 128-row tiles): 0.106 ms a layer alone against 0.113, but 4.8-4.9 ms a forward against
-# 4.5-4.8 inside the 8B forward, whose wall time it did not improve (67.66 / 67.22 against 67.05 /
-# 67.56 ms, interleaved); so one head per program. 64 and 256 follow from it, unmeasured.
-TILES = {64: (64, 32, 4, 3, 1), 128: (64, 32, 4, 3, 1), 256: (64, 32, 4, 3, 1)}
+# (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
+# diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
+# GPU time of one layer, BENCHMARKS.md): 64 rows over 32 keys, 4 warps, 3 stages the fastest; 64 over 64
+# next; 128-row tiles with 8 warps and flex_attention slower. The 4 query heads of a KV head in one
+# program (32 positions x 4 heads, 8 warps): 0.106 ms a layer alone against 0.113, but no faster inside
+# the 8B forward (67.66 / 67.22 against 67.05 / 67.56 ms, interleaved); tried in commit 4e8e445, not kept.
+# 64 and 256 follow from it, unmeasured.
+TILES = {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 3)}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
 # Key/value tiles loaded through tensor descriptors (TMA), where the GPU has the copy engine for them
 # (sm_90 and later) and the layout allows (16-byte aligned base and strides); None decides so, True or
@@ -81,23 +79,18 @@ def doc_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, low: tor
                      scale: float, block_m: int) -> torch.Tensor:
     """`[T, Hq, D]`: row i of q attends to k/v rows [low_i, i] (GQA: Hq a multiple of k's heads)."""
     T, hq, d = q.shape
-    _, block_n, warps, stages, pack = TILES[d]
+    _, block_n, warps, stages = TILES[d]
     if block_m % block_n:
         raise ValueError(f"doc_attention tiles: BLOCK_N={block_n} must divide BLOCK_M={block_m} (doc_attn.TILES[{d}])")
-    if pack < 1 or pack & (pack - 1):
-        raise ValueError(f"doc_attention tiles: PACK={pack} must be a power of two (doc_attn.TILES[{d}])")
     from .doc_attn_triton import doc_attn_fwd
 
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     tma, kk, vv = key_value_tiles(USE_TMA, k, v, block_n)
-    group = hq // k.shape[1]
-    pack = math.gcd(pack, group)
-    # The G heads of a KV head side by side (or in one program): its K/V tiles stay in L2.
-    launch(doc_attn_fwd, (hq // pack, order.shape[0]),
+    launch(doc_attn_fwd, (hq, order.shape[0]),  # the G heads of a KV head side by side: its K/V tiles stay in L2
            (q, kk, vv, out, low, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), T, scale * math.log2(math.e)),
-           dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q), TMA=tma, PACK=pack),
+           dict(G=hq // k.shape[1], D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=input_precision(q), TMA=tma),
            warps, stages, q.device)
     return out
 

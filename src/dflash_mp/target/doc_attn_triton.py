@@ -2,8 +2,7 @@
 Module-level functions, so the jitted helper resolves in Triton's CPU interpreter too. `PREC`: the
 matmuls' input precision, "ieee" for fp32 inputs (an fp32 target stays fp32, not TF32). `TMA`: K and V
 are tensor descriptors over `[T, Hkv, D]` (the copy engine of Hopper and later loads the key tiles,
-out-of-range rows as zeros), else pointers. `PACK` query heads of one KV head share a program: its tile
-is PACK x BLOCK_M rows (head-major), one set of key/value tiles for all of them."""
+out-of-range rows as zeros), else pointers."""
 
 import triton
 import triton.language as tl
@@ -47,26 +46,25 @@ def _keys(acc, m, l, q, K, V, g, k_base, v_base, sk_t, sv_t, rows, low, n_lo, n_
 @triton.jit
 def doc_attn_fwd(Q, K, V, O, LOW, ORDER, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, T, scale2,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PREC: tl.constexpr, TMA: tl.constexpr, PACK: tl.constexpr):
-    """Query heads PACK*p .. PACK*p + PACK - 1 (p: program axis 0), query tile ORDER[axis 1]: positions
-    [m0, m0 + BLOCK_M) of each, position i seeing keys [LOW[i], i]. Three key ranges: tiles some row sees
-    only in part (masked), tiles every row sees whole (no mask), and the diagonal (masked)."""
+                 PREC: tl.constexpr, TMA: tl.constexpr):
+    """Query head h (program axis 0), query tile ORDER[axis 1]: rows [m0, m0 + BLOCK_M), row i seeing
+    keys [LOW[i], i]. Three key ranges: tiles some row sees only in part (masked), tiles every row sees
+    whole (no mask), and the diagonal (masked)."""
+    h = tl.program_id(0)
     m0 = tl.load(ORDER + tl.program_id(1)) * BLOCK_M
-    r = tl.arange(0, PACK * BLOCK_M)
-    h = tl.program_id(0) * PACK + r // BLOCK_M  # each row's query head
-    g = tl.program_id(0) * PACK // G
-    rows = m0 + r % BLOCK_M  # each row's position
+    g = h // G
+    rows = m0 + tl.arange(0, BLOCK_M)
     live = rows < T
     d = tl.arange(0, D)
-    q = tl.load(Q + rows[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=live[:, None], other=0.0)
     low = tl.load(LOW + rows, mask=live, other=0)
     last = tl.minimum(m0 + BLOCK_M, T) - 1
     lo = (tl.load(LOW + m0) // BLOCK_N) * BLOCK_N
     # Every row of the tile sees [its LOW, m0); the tile's largest LOW is its last row's (LOW ascends).
     whole = tl.minimum(tl.cdiv(tl.load(LOW + last), BLOCK_N) * BLOCK_N, m0)
-    m = tl.full([PACK * BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([PACK * BLOCK_M], tl.float32)
-    acc = tl.zeros([PACK * BLOCK_M, D], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     kb, vb = g * sk_h, g * sv_h
     acc, m, l = _keys(acc, m, l, q, K, V, g, kb, vb, sk_t, sv_t, rows, low, lo, whole, T, scale2, D, BLOCK_N, True,
                       PREC, TMA)
@@ -75,5 +73,4 @@ def doc_attn_fwd(Q, K, V, O, LOW, ORDER, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_
     acc, m, l = _keys(acc, m, l, q, K, V, g, kb, vb, sk_t, sv_t, rows, low, m0, last + 1, T, scale2, D, BLOCK_N,
                       True, PREC, TMA)
     out = acc / l[:, None]
-    tl.store(O + rows[:, None] * so_t + h[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
-             mask=live[:, None])
+    tl.store(O + rows[:, None] * so_t + h * so_h + d[None, :], out.to(O.dtype.element_ty), mask=live[:, None])
