@@ -109,3 +109,95 @@ def test_a_holder_that_dies_frees_the_turn(tmp_path):
     assert time.monotonic() - t0 < 5
     turns.close()
     assert not os.path.exists(path)  # the last one out removes the file
+
+
+def _target_asks(path: str, n: int, ask, asked, count) -> None:
+    turns = GpuTurns(path, CPU, first=True)
+    for _ in range(n):
+        ask.acquire()
+        asked.release()
+        with turns.turn():
+            count.value += 1
+    turns.close()
+
+
+def test_a_waiting_target_goes_before_a_drafter_that_asks_again():
+    # The drafter frees the turn while the target waits for it, and asks again at once (its next
+    # batch is in the ring). flock alone often hands it back to the drafter; the target must go first
+    # every time, or a drafter can end up waiting for data while the target's forward runs.
+    import tempfile
+
+    path, n = os.path.join(tempfile.mkdtemp(), "gpu0"), 10
+    ctx = mp.get_context("spawn")
+    ask, asked, count = ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("i", 0)
+    p = ctx.Process(target=_target_asks, args=(path, n, ask, asked, count))
+    p.start()
+    drafter, seen = GpuTurns(path, CPU), []
+    try:
+        for i in range(n + 1):
+            with drafter.turn():
+                seen.append(count.value)
+                if seen[-1] != i or i == n:  # the drafter went twice in a row, or the rounds are done
+                    break
+                ask.release()
+                assert asked.acquire(timeout=60)
+                time.sleep(0.05)  # the target now waits for the turn
+    finally:
+        p.join(10)
+        if p.is_alive():  # it waits to be asked again
+            p.terminate()
+            p.join()
+        drafter.close()
+    assert seen == list(range(n + 1))  # each time the target's turn came between the drafter's two
+    assert p.exitcode == 0
+
+
+def test_ranks_of_a_shared_gpu_know_who_goes_first():
+    target, drafter = (GpuTurns.for_rank(topo(1, r, 2, gpus=0), "on", CPU, f"first{os.getpid()}") for r in (0, 1))
+    try:
+        assert target.first and target.active and not drafter.first and drafter.active
+        assert target.path == drafter.path
+    finally:
+        target.close()
+        drafter.close()
+    assert not os.path.exists(target.path) and not os.path.exists(target.path + ".first")
+
+
+def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path):
+    # TargetRun's loop with the model and the transport left out: the next batch is packed while the
+    # turn is held (the GPU runs the forward meanwhile), so nothing separates the send from asking for
+    # the next turn; and no batch is packed past the last forward.
+    import fcntl
+    import itertools
+    from types import SimpleNamespace
+
+    from dflash_mp.roles import TargetRun
+
+    path = str(tmp_path / "gpu0")
+    probe, held = os.open(path, os.O_RDWR | os.O_CREAT), []
+
+    def batches():
+        for i in itertools.count():
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(probe, fcntl.LOCK_UN)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+            yield i
+
+    run, sent = TargetRun.__new__(TargetRun), []
+    run.turns = GpuTurns(path, CPU, first=True)
+    run.batches, run.ahead, run.forwards, run.num_forwards = batches(), None, 1, 4  # forward 0 compiled
+    run.stream = object()
+    run.worker = SimpleNamespace(forward=lambda pb: ("states", pb))
+    run.sender = SimpleNamespace(send=lambda dst, hb: sent.append((dst, hb)))
+    run.metrics = SimpleNamespace(update=lambda pb, data: None)
+    try:
+        for step in range(1, 4):
+            run.send(7, run.next_batch(), step)
+    finally:
+        run.turns.close()
+        os.close(probe)
+    assert sent == [(7, ("states", i)) for i in range(3)]
+    assert held == [False, True, True]  # the first batch came before any turn; none after the last

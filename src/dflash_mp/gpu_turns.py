@@ -8,6 +8,15 @@ next rank queues its own, so each unit runs as it runs alone (BENCHMARKS.md meas
 A turn is an exclusive `flock` on one file per GPU of the job. The kernel drops the lock of a rank
 that dies, so a crash never leaves the others waiting on a turn nobody holds.
 
+Targets go first. A target forward makes the data a drafter step needs, and a target can run at most
+its ring's depth ahead (it waits for credit outside its turn), so a drafter never starves for a turn;
+but a drafter that wins the turn from a waiting target may next wait for data while that target's
+forward runs. `flock` has no order: a rank that frees the turn and asks again at once often beats the
+rank it woke, and on a cold 8B job (BENCHMARKS.md, call Z5) the two ended up alternating with the
+ring empty, the drafter waiting a whole forward for data every step. So a target holds a second lock,
+the file's `.first` companion, shared, from asking for the turn until it has it, and a drafter takes
+that lock exclusively (and lets it go) before asking: it waits while any target of its GPU is waiting.
+
 A rank in its turn never waits on a turn that cannot end: a target forward waits on nobody, and a
 drafter step waits (in its gradient all-reduce) only on drafters of other GPUs, whose turns come when
 those GPUs' target forwards end. Two drafters on one GPU would each wait inside their all-reduce for
@@ -75,11 +84,15 @@ def decide(topo: Topology, mode: str, device: torch.device) -> tuple[bool, str]:
 
 
 class GpuTurns:
-    """One rank's side of its GPU's turns; a no-op where the rank does not take turns."""
+    """One rank's side of its GPU's turns; a no-op where the rank does not take turns. `first`: this
+    rank goes before ranks that are not first whenever it waits for a turn (a target; module doc)."""
 
-    def __init__(self, path: str | None, device: torch.device, why: str = ""):
-        self.path, self.device, self.why = path, device, why
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path is not None else None
+    def __init__(self, path: str | None, device: torch.device, why: str = "", first: bool = False):
+        self.path, self.device, self.why, self.first = path, device, why, first
+        self._fd = self._first_fd = None
+        if path is not None:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            self._first_fd = os.open(path + ".first", os.O_RDWR | os.O_CREAT, 0o600)
 
     @classmethod
     def for_rank(cls, topo: Topology, mode: str, device: torch.device, run_id: str | None) -> "GpuTurns":
@@ -92,7 +105,8 @@ class GpuTurns:
         node, index = topo.node_of(topo.rank), (topo.gpu_of(topo.rank) or (0, 0))[1]
         job = run_id or f"agent{os.getppid()}"  # torchrun's agent: the parent of every local rank
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        return cls(os.path.join(base, f"dflash_mp_turns_{job}_node{node}_gpu{index}"), device, why)
+        return cls(os.path.join(base, f"dflash_mp_turns_{job}_node{node}_gpu{index}"), device, why,
+                   first=topo.rank not in topo.drafter_ranks)
 
     @property
     def active(self) -> bool:
@@ -105,7 +119,16 @@ class GpuTurns:
         if self._fd is None:
             yield
             return
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if self.first:  # waiting: ranks that are not first wait for us
+            fcntl.flock(self._first_fd, fcntl.LOCK_SH)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            finally:
+                fcntl.flock(self._first_fd, fcntl.LOCK_UN)
+        else:  # no first rank waiting
+            fcntl.flock(self._first_fd, fcntl.LOCK_EX)
+            fcntl.flock(self._first_fd, fcntl.LOCK_UN)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             yield
             if self.device.type == "cuda":
@@ -117,6 +140,8 @@ class GpuTurns:
         if self._fd is None:
             return
         os.close(self._fd)
-        self._fd = None
-        with contextlib.suppress(FileNotFoundError):  # every mate removes it; the first one wins
-            os.unlink(self.path)
+        os.close(self._first_fd)
+        self._fd = self._first_fd = None
+        for path in (self.path, self.path + ".first"):
+            with contextlib.suppress(FileNotFoundError):  # every mate removes them; the first one wins
+                os.unlink(path)
