@@ -451,3 +451,23 @@ def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero
     assert "grace over, but drafter rank" in out, out[-6000:]
     newest = ckpt.resolve_resume("auto", f"{run_dir}/checkpoints")
     assert int(newest.rsplit("_", 1)[1]) >= 6 and "stopped at step" in out
+
+
+@pytest.mark.slow
+def test_a_target_that_stalls_once_empties_the_ring_and_the_job_goes_on_unchanged(tmp_path):
+    """The target pauses 1 s at step 3 (fault hook) while the ranks take turns at the "GPU": the
+    drafter waits that second for its batch, the job ends normally, and every step's loss is the one
+    the job computes without the pause."""
+    ov = SMALL + ["topology.num_target_ranks=1", "train.max_steps=6", "logging.log_every=1",
+                  "topology.gpu_turns=on"]
+    runs = {}
+    for name, fault in (("plain", ""), ("stalled", "0:3:stall")):
+        run_dir = str(tmp_path / name)
+        rc, out, _ = run(2, ov + [f"run_dir={run_dir}"], fault=fault)
+        assert rc == 0, out[-6000:]
+        runs[name] = run_dir
+    assert "FAULT stall: rank 0 at step 3" in open(f"{runs['stalled']}/logs/rank_0.log").read()
+    waits = {r["step"]: r["comm/wait_ms"] for r in scalars(runs["stalled"])}
+    assert waits[4] > 500, waits  # the 0-based step 3 is logged as step 4
+    assert max(waits[s] for s in (2, 3, 5, 6)) < 500, waits
+    assert losses(runs["stalled"]) == losses(runs["plain"])

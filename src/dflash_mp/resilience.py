@@ -26,7 +26,9 @@
   `kill`       SIGKILL itself at the top of 0-based step `<step>` (after `<step>` steps are done);
   `checkpoint` SIGKILL itself while writing the checkpoint of step `<step>`, between two files;
   `hang`       stop at the top of step `<step>` and sleep forever (alive, silent);
-  `slow_checkpoint` the leader's write of the checkpoint of step `<step>` takes 8 s longer.
+  `slow_checkpoint` the leader's write of the checkpoint of step `<step>` takes 8 s longer;
+  `stall`      pause 1 s at the top of step `<step>`, then go on (a target's pause empties its
+               drafters' rings: bench/run_turns_h200.sh times how the job recovers).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "DFLASH_MP_FAULT"
-FAULT_ACTIONS = ("kill", "checkpoint", "hang", "slow_checkpoint")
+FAULT_ACTIONS = ("kill", "checkpoint", "hang", "slow_checkpoint", "stall")
 
 
 def restart_count() -> int:
@@ -100,10 +102,14 @@ def maybe_fault(fault: Fault | None, rank: int, step: int, action: str) -> None:
     if action == "slow_checkpoint":  # the leader's write of this step's checkpoint takes this long
         time.sleep(SLOW_CHECKPOINT_S)
         return
+    if action == "stall":  # the rank pauses once and goes on (a target's pause drains its drafters' rings)
+        time.sleep(STALL_S)
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 SLOW_CHECKPOINT_S = 8.0
+STALL_S = 1.0
 
 
 # --------------------------------------------------------------------------------- graceful stop
