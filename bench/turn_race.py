@@ -7,8 +7,8 @@ measured length (8B target forward 67 ms, drafter step 120 ms); the target packs
 (0.9 ms, the median at 8B shapes on the H200 host) either after its send (`pack-after-send`, the loop
 before `TargetRun.pack_ahead`) or inside its turn (`pack-in-turn`); `+target-first` gives the target
 the turn before a waiting drafter (`GpuTurns.first`). The job now runs `pack-in-turn+target-first`.
-The ring starts empty with the drafter waiting, the state call Z5's job stayed in. A step where the drafter waited more than half a
-forward for its batch is a starved step.
+The ring starts empty with the drafter waiting, the state call Z5's job stayed in. A step where the
+drafter waited more than half a forward for its batch is a starved step.
 
     python bench/turn_race.py [--steps 40] [--repeats 2]
 
@@ -97,7 +97,8 @@ def run(mode: str, steps: int, forward_s: float, step_s: float, pack_s: float, s
     wall = time.monotonic() - t0
     after = waits[1:]  # the first batch waits for the first forward in any order
     starved = [i + 1 for i, w in enumerate(after) if w > forward_s / 2]
-    return {"mode": mode, "steps": steps, "starved_steps": len(starved), "last_starved": max(starved, default=0),
+    return {"mode": mode, "steps": steps, "starved_steps": len(starved),
+            "last_starved": max(starved, default=0),
             "median_wait_ms": 1e3 * statistics.median(after), "wall_s": wall}
 
 
@@ -116,7 +117,7 @@ def main() -> None:
             r = run(mode, a.steps, a.forward_ms / 1e3, a.step_ms / 1e3, a.pack_ms / 1e3, a.send_ms / 1e3)
             print(json.dumps(r), flush=True)
             rows.append(r)
-    print(f"\n| mode | steps | starved steps (waited > half a forward) | last starved step | median wait (ms) |")
+    print("\n| mode | steps | starved steps (waited > half a forward) | last starved step | median wait (ms) |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['mode']} | {r['steps']} | {r['starved_steps']} | {r['last_starved']} | "

@@ -1,17 +1,22 @@
-"""Ranks sharing a GPU take turns at it (gpu_turns.py): who does, and that turns exclude each other
-across real processes, also after a holder dies. The job's own use of turns is checked end to end
-in test_e2e (1 target + 1 drafter with topology.gpu_turns=on equals the one-process reference)."""
+"""Ranks sharing a GPU take turns at it (gpu_turns.py): who does, that turns exclude each other
+across real processes, also after a holder dies, that a waiting target goes first, and that the
+target packs its next batch inside its turn. The job's own use of turns is checked end to end in
+test_e2e (1 target + 1 drafter with topology.gpu_turns=on equals the one-process reference)."""
 
 import dataclasses
+import fcntl
+import itertools
 import multiprocessing as mp
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dflash_mp.gpu_turns import GpuTurns, decide
+from dflash_mp.roles import TargetRun
 from dflash_mp.topology import Topology
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # only their type is read: no GPU needed
@@ -121,13 +126,11 @@ def _target_asks(path: str, n: int, ask, asked, count) -> None:
     turns.close()
 
 
-def test_a_waiting_target_goes_before_a_drafter_that_asks_again():
+def test_a_waiting_target_goes_before_a_drafter_that_asks_again(tmp_path):
     # The drafter frees the turn while the target waits for it, and asks again at once (its next
     # batch is in the ring). flock alone often hands it back to the drafter; the target must go first
     # every time, or a drafter can end up waiting for data while the target's forward runs.
-    import tempfile
-
-    path, n = os.path.join(tempfile.mkdtemp(), "gpu0"), 10
+    path, n = str(tmp_path / "gpu0"), 10
     ctx = mp.get_context("spawn")
     ask, asked, count = ctx.Semaphore(0), ctx.Semaphore(0), ctx.Value("i", 0)
     p = ctx.Process(target=_target_asks, args=(path, n, ask, asked, count))
@@ -153,7 +156,8 @@ def test_a_waiting_target_goes_before_a_drafter_that_asks_again():
 
 
 def test_ranks_of_a_shared_gpu_know_who_goes_first():
-    target, drafter = (GpuTurns.for_rank(topo(1, r, 2, gpus=0), "on", CPU, f"first{os.getpid()}") for r in (0, 1))
+    run_id = f"first{os.getpid()}"
+    target, drafter = (GpuTurns.for_rank(topo(1, r, 2, gpus=0), "on", CPU, run_id) for r in (0, 1))
     try:
         assert target.first and target.active and not drafter.first and drafter.active
         assert target.path == drafter.path
@@ -167,12 +171,6 @@ def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path):
     # TargetRun's loop with the model and the transport left out: the next batch is packed while the
     # turn is held (the GPU runs the forward meanwhile), so nothing separates the send from asking for
     # the next turn; and no batch is packed past the last forward.
-    import fcntl
-    import itertools
-    from types import SimpleNamespace
-
-    from dflash_mp.roles import TargetRun
-
     path = str(tmp_path / "gpu0")
     probe, held = os.open(path, os.O_RDWR | os.O_CREAT), []
 

@@ -28,7 +28,7 @@
   `hang`       stop at the top of step `<step>` and sleep forever (alive, silent);
   `slow_checkpoint` the leader's write of the checkpoint of step `<step>` takes 8 s longer;
   `stall`      pause 1 s at the top of step `<step>`, then go on (a target's pause empties its
-               drafters' rings: bench/run_turns_h200.sh times how the job recovers).
+               drafters' rings: bench/run_stall_h200.sh times how the job refills them).
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ class TargetRun(_RoleRun):
                                          range(*layers), job.logging.peak_tflops, ctx.device, self.skipped,
                                          self.start)
             self.forwards = 0
-            self.num_forwards = topo.num_sends(topo.rank, self.num_steps) - topo.num_sends(topo.rank, self.start)
+            sends = topo.num_sends(topo.rank, self.num_steps) - topo.num_sends(topo.rank, self.start)
+            self.num_forwards = sends  # this run's forwards: pack_ahead packs none past the last
             self.ahead = None  # the next data batch, packed during the previous forward (pack_ahead)
             self._stack = stack.pop_all()  # from here close() owns them
 
@@ -239,9 +240,10 @@ class TargetRun(_RoleRun):
         """Pack the next data batch now, inside the turn, if another forward follows this one.
 
         Packed after the send (0.9 ms median at 8B shapes, up to 7 ms), the next batch held back the
-        target's next turn: a drafter waiting on an empty ring took the turn in that window each time,
-        the two alternated, and the ring never refilled (the drafter waited a whole forward every step;
-        BENCHMARKS.md, call Z5). Packed here, the target asks for its next turn right after the send."""
+        target's next turn, and a drafter waiting on an empty ring could take the turn in that window:
+        the two alternated with the ring empty, the drafter waiting a whole forward for each batch
+        (BENCHMARKS.md, calls Z5 and Z9; `GpuTurns.first` is the other half of the mend). Packed here,
+        the target asks for its next turn right after the send."""
         if self.batches is not None and self.ahead is None and self.forwards + 1 < self.num_forwards:
             self.ahead = next(self.batches)
 
