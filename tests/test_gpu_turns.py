@@ -136,6 +136,16 @@ def test_a_waiting_target_goes_before_a_drafter_that_asks_again(tmp_path):
     p = ctx.Process(target=_target_asks, args=(path, n, ask, asked, count))
     p.start()
     drafter, seen = GpuTurns(path, CPU), []
+    probe = os.open(path + ".first", os.O_RDWR | os.O_CREAT)
+
+    def target_waits() -> bool:  # it holds `.first` from asking for the turn until it has it
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return False
+
     try:
         for i in range(n + 1):
             with drafter.turn():
@@ -144,13 +154,16 @@ def test_a_waiting_target_goes_before_a_drafter_that_asks_again(tmp_path):
                     break
                 ask.release()
                 assert asked.acquire(timeout=60)
-                time.sleep(0.05)  # the target now waits for the turn
+                deadline = time.monotonic() + 2  # code without the order never shows the wait
+                while not target_waits() and time.monotonic() < deadline:
+                    time.sleep(0.001)
     finally:
         p.join(10)
         if p.is_alive():  # it waits to be asked again
             p.terminate()
             p.join()
         drafter.close()
+        os.close(probe)
     assert seen == list(range(n + 1))  # each time the target's turn came between the drafter's two
     assert p.exitcode == 0
 

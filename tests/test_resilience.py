@@ -468,6 +468,6 @@ def test_a_target_that_stalls_once_empties_the_ring_and_the_job_goes_on_unchange
         runs[name] = run_dir
     assert "FAULT stall: rank 0 at step 3" in open(f"{runs['stalled']}/logs/rank_0.log").read()
     waits = {r["step"]: r["comm/wait_ms"] for r in scalars(runs["stalled"])}
-    assert waits[4] > 500, waits  # the 0-based step 3 is logged as step 4
-    assert max(waits[s] for s in (2, 3, 5, 6)) < 500, waits
+    assert waits[4] > 200, waits  # the 0-based step 3 is logged as step 4; ~980 ms here
+    assert max(waits[s] for s in (2, 3, 5, 6)) < 100, waits  # ~0.1 ms here
     assert losses(runs["stalled"]) == losses(runs["plain"])
