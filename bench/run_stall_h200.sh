@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Does a shared-GPU job refill an emptied ring? The 8B job at defaults (1 target + 1 drafter, GPU turns),
 # its target paused 1 s at step $STALL_STEP (DFLASH_MP_FAULT=0:<step>:stall), 60 steps logged every 10:
-# the intervals after the pause show whether the drafter still waits a forward for each batch.
+# the intervals after the pause show whether the drafter still waits a forward for each batch, and
+# stall_<run>_<variant>.json the rows/s after the interval that holds it ($PIPE_SKIP: from step 30).
 # $BEFORE_SRC: a src/ tree of other code (beside its own conf/) to run the same job with, interleaved
 # (now before now before; $VARIANTS sets the order). From the repo root, results under $OUT:
 #   BEFORE_SRC=/tmp/before/src bash bench/run_stall_h200.sh
@@ -17,19 +18,10 @@ for v in $variants; do
     i=$((i + 1))
     src=$PWD/src; [ "$v" = before ] && src=$BEFORE_SRC
     PYTHONPATH=$src:$base DFLASH_MP_FAULT=0:$STALL_STEP:stall PIPE=/tmp/dflash_stall_$i PIPE_TARGET_JSON=$TJ PIPE_TURNS=auto \
-        PIPE_STEPS=60 T_PIPE=${T_PIPE:-200} bash bench/run_h200.sh pipeline > /dev/null
+        PIPE_SKIP=${PIPE_SKIP:-30} PIPE_STEPS=60 T_PIPE=${T_PIPE:-200} bash bench/run_h200.sh pipeline > /dev/null
     mv "$OUT/pipeline_1gpu.json" "$OUT/stall_${i}_$v.json"
     echo "== run $i ($v): $(grep -c 'FAULT stall' /tmp/dflash_stall_$i/run_auto/logs/rank_0.log) stall(s) logged"
-    python3 - "$i" "$v" <<'PY'
-import json, sys
-i, v = sys.argv[1:]
-for role in ("drafter", "target"):
-    rows = [json.loads(l) for l in open(f"/tmp/dflash_stall_{i}/run_auto/tb/{role}/scalars.jsonl")]
-    key = "comm/wait_ms" if role == "drafter" else "comm/in_flight"
-    print(f"run {i} ({v}) {role} {key} by interval:", " ".join(f"{r['step']}:{r.get(key, float('nan')):.3g}" for r in rows))
-    if role == "drafter":
-        print(f"run {i} ({v}) drafter rows/s by interval:", " ".join(f"{r['step']}:{r['throughput/samples_per_s']:.3f}" for r in rows))
-PY
+    python3 bench/scalars_table.py /tmp/dflash_stall_$i/run_auto | grep -v median
 done
 tar czf "$OUT/stall_runs.tgz" -C /tmp $(cd /tmp && ls -d dflash_stall_*/run_auto/logs dflash_stall_*/run_auto/tb/*/scalars.jsonl)
 mv "$OUT/run_h200.log" "$OUT/stall_run_h200.log"

@@ -5,7 +5,7 @@ import json
 import sys
 
 KEYS = ("throughput/samples_per_s", "throughput/tokens_per_s", "throughput/mfu", "comm/wait_ms",
-        "target/tokens_per_s", "target/mfu", "comm/stall_ms", "time/startup_s")
+        "target/tokens_per_s", "target/mfu", "comm/stall_ms", "comm/in_flight", "time/startup_s")
 
 
 def main() -> None:

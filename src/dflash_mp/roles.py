@@ -185,8 +185,9 @@ class TargetRun(_RoleRun):
                                          range(*layers), job.logging.peak_tflops, ctx.device, self.skipped,
                                          self.start)
             self.forwards = 0
-            sends = topo.num_sends(topo.rank, self.num_steps) - topo.num_sends(topo.rank, self.start)
-            self.num_forwards = sends  # this run's forwards: pack_ahead packs none past the last
+            # this run's forwards: pack_ahead packs no batch past the last
+            self.num_forwards = (topo.num_sends(topo.rank, self.num_steps)
+                                 - topo.num_sends(topo.rank, self.start))
             self.ahead = None  # the next data batch, packed during the previous forward (pack_ahead)
             self._stack = stack.pop_all()  # from here close() owns them
 
