@@ -14,8 +14,10 @@
 * Grace: from the first SIGTERM a watchdog thread gives the process `train.stop_grace_s` plus the
   longest checkpoint it has measured so far; a rank still running then (stuck in a collective, a hung
   peer) logs and `os._exit(1)`s. A checkpoint or export under way (`StopSignal.protect`) is never cut
-  short: the deadline waits for it to end (up to `liveness.checkpointing_s`), so a stop at any
-  moment ends with the newest complete checkpoint on disk and exit 0. The watchdog hears
+  short, nor is a peer's the rank waits for: the deadline waits for it to end (up to
+  `liveness.checkpointing_s`) and the grace counts again from its end, since the agreed stop still
+  has steps to run after it. So a stop at any moment ends with the newest complete checkpoint on
+  disk and exit 0. The watchdog hears
   the signal through `signal.set_wakeup_fd`, so it fires even while the main thread sits inside a
   C++ collective that never returns to Python.
 * Fast failure: a rank whose role raises logs the error naming itself, records it for torchrun, and
@@ -193,21 +195,25 @@ class StopSignal:
                     "(train.stop_grace_s=%.0f + %.0f s measured for a checkpoint), later while one is written",
                     signal.Signals(got[0]).name, self.deadline_s(), self.grace_s, self.work_s)
         threading.Thread(target=self._second_interrupt, name="dflash-second-sigint", daemon=True).start()
-        noted = False
+        noted, held = False, t0  # held: when a checkpoint (this rank's or a peer's) was last seen under way
         while True:
             time.sleep(0.2)
             now = time.monotonic()
             with self._lock:
                 busy = sorted(self._protected.values(), key=lambda x: x[1])
             if busy and now - busy[0][1] < self.max_protected_s:
+                held = now
                 continue  # a checkpoint or export under way: cutting it short would lose it
-            if now - t0 > self.deadline_s():
-                peers = self.peers_busy() if now - t0 < self.deadline_s() + self.max_protected_s else []
-                if not peers:
-                    break
-                if not noted:  # once: why this rank outlives its grace
+            peers = self.peers_busy() if now - t0 < self.deadline_s() + self.max_protected_s else []
+            if peers:
+                held = now  # the stop this rank waits for cannot land before the peer's checkpoint ends
+                if now - t0 > self.deadline_s() and not noted:  # once: why this rank outlives its grace
                     noted = True
                     log.warning("grace over, but %s: waiting for it", "; ".join(peers))
+                continue
+            # The grace counts from the end of the last hold-up: the stop still has steps to run after it.
+            if now - held > self.deadline_s():
+                break
         if self._finished:
             log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
             _flush()
