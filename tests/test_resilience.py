@@ -456,20 +456,28 @@ def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero
 
 
 @pytest.mark.slow
-def test_a_target_that_stalls_once_empties_the_ring_and_the_job_goes_on_unchanged(tmp_path):
-    """The target pauses 1 s at step 3 (fault hook) while the ranks take turns at the "GPU": the
-    drafter waits that second for its batch, the job ends normally, and every step's loss is the one
-    the job computes without the pause."""
+def test_a_rank_that_stalls_once_leaves_the_job_unchanged_and_its_peer_waits_it_out(tmp_path):
+    """The target, then (another run) the drafter, pauses 1 s at step 3 (fault hook) while the ranks
+    take turns at the "GPU". A stalled target empties the ring: the drafter waits that second for its
+    batch. A stalled drafter leaves the target waiting for credit while its ring stays full: the
+    drafter never waits. Both jobs end normally, with every step's loss the one the job computes
+    without a pause."""
     ov = SMALL + ["topology.num_target_ranks=1", "train.max_steps=6", "logging.log_every=1",
                   "topology.gpu_turns=on"]
     runs = {}
-    for name, fault in (("plain", ""), ("stalled", "0:3:stall")):
+    for name, fault in (("plain", ""), ("target", "0:3:stall"), ("drafter", "1:3:stall")):
         run_dir = str(tmp_path / name)
         rc, out, _ = run(2, ov + [f"run_dir={run_dir}"], fault=fault)
         assert rc == 0, out[-6000:]
         runs[name] = run_dir
-    assert "FAULT stall: rank 0 at step 3" in open(f"{runs['stalled']}/logs/rank_0.log").read()
-    waits = {r["step"]: r["comm/wait_ms"] for r in scalars(runs["stalled"])}
+    assert "FAULT stall: rank 0 at step 3" in open(f"{runs['target']}/logs/rank_0.log").read()
+    assert "FAULT stall: rank 1 at step 3" in open(f"{runs['drafter']}/logs/rank_1.log").read()
+    waits = {r["step"]: r["comm/wait_ms"] for r in scalars(runs["target"])}
     assert waits[4] > 200, waits  # the 0-based step 3 is logged as step 4; ~980 ms here
     assert max(waits[s] for s in (2, 3, 5, 6)) < 100, waits  # ~0.1 ms here
-    assert losses(runs["stalled"]) == losses(runs["plain"])
+    waits = {r["step"]: r["comm/wait_ms"] for r in scalars(runs["drafter"])}
+    assert max(waits[s] for s in range(2, 7)) < 100, waits
+    stalls = {name: sum(r["comm/stall_ms"] for r in scalars(runs[name], "target")) for name in runs}
+    assert stalls["drafter"] - stalls["plain"] > 500, stalls  # the target waited out the drafter's second
+    for name in ("target", "drafter"):
+        assert losses(runs[name]) == losses(runs["plain"]), name
