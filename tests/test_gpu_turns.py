@@ -136,7 +136,7 @@ def test_a_waiting_target_goes_before_a_drafter_that_asks_again(tmp_path):
     p = ctx.Process(target=_target_asks, args=(path, n, ask, asked, count))
     p.start()
     drafter, seen = GpuTurns(path, CPU), []
-    probe = os.open(path + ".first", os.O_RDWR | os.O_CREAT)
+    probe = os.open(drafter.first_path, os.O_RDWR | os.O_CREAT)
 
     def target_waits() -> bool:  # it holds `.first` from asking for the turn until it has it
         try:
@@ -177,7 +177,7 @@ def test_ranks_of_a_shared_gpu_know_who_goes_first():
     finally:
         target.close()
         drafter.close()
-    assert not os.path.exists(target.path) and not os.path.exists(target.path + ".first")
+    assert not os.path.exists(target.path) and not os.path.exists(target.first_path)
 
 
 def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path):

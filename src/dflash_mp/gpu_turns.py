@@ -89,10 +89,11 @@ class GpuTurns:
 
     def __init__(self, path: str | None, device: torch.device, why: str = "", first: bool = False):
         self.path, self.device, self.why, self.first = path, device, why, first
+        self.first_path = None if path is None else path + ".first"  # the lock a waiting first rank holds
         self._fd = self._first_fd = None
         if path is not None:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            self._first_fd = os.open(path + ".first", os.O_RDWR | os.O_CREAT, 0o600)
+            self._first_fd = os.open(self.first_path, os.O_RDWR | os.O_CREAT, 0o600)
 
     @classmethod
     def for_rank(cls, topo: Topology, mode: str, device: torch.device, run_id: str | None) -> "GpuTurns":
@@ -142,6 +143,6 @@ class GpuTurns:
         os.close(self._fd)
         os.close(self._first_fd)
         self._fd = self._first_fd = None
-        for path in (self.path, self.path + ".first"):
+        for path in (self.path, self.first_path):
             with contextlib.suppress(FileNotFoundError):  # every mate removes them; the first one wins
                 os.unlink(path)

@@ -93,9 +93,12 @@ def fault_from_env() -> Fault | None:
     return Fault.parse(os.environ.get(FAULT_ENV, "")) if restart_count() == 0 else None
 
 
-def maybe_fault(fault: Fault | None, rank: int, step: int, action: str) -> None:
-    if fault is None or (fault.rank, fault.step, fault.action) != (rank, step, action):
+def maybe_fault(fault: Fault | None, rank: int, step: int, *actions: str) -> None:
+    """Carry out the injected fault if it is this rank's at this step and one of `actions` (the ones
+    this point of the code can carry out)."""
+    if fault is None or (fault.rank, fault.step) != (rank, step) or fault.action not in actions:
         return
+    action = fault.action
     log.warning("FAULT %s: rank %d at step %d (t=%.3f)", action, rank, step, time.time())
     _flush()
     if action == "hang":

@@ -200,9 +200,7 @@ class TargetRun(_RoleRun):
                 break
             self.live.step(step)
             self.live.phase("training")
-            maybe_fault(self.fault, topo.rank, step, "kill")
-            maybe_fault(self.fault, topo.rank, step, "hang")
-            maybe_fault(self.fault, topo.rank, step, "stall")
+            maybe_fault(self.fault, topo.rank, step, "kill", "hang", "stall")
             for dst in topo.sends_at_step(topo.rank, step):
                 batch = self.next_batch() if self.upstream is None else self.upstream.recv(self.prev)
                 self.send(dst if self.next is None else self.next, batch, step)
@@ -381,9 +379,7 @@ class DrafterRun(_RoleRun):
         rank, done = self.ctx.topo.rank, step + 1
         self.live.step(step)
         self.live.phase("training")
-        maybe_fault(self.fault, rank, step, "kill")
-        maybe_fault(self.fault, rank, step, "hang")
-        maybe_fault(self.fault, rank, step, "stall")
+        maybe_fault(self.fault, rank, step, "kill", "hang", "stall")
         tw = time.perf_counter()
         hb = self.receiver.recv(self.ctx.topo.source_for_step(rank, step))
         parts = {"waiting for data": time.perf_counter() - tw}
