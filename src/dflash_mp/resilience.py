@@ -17,9 +17,8 @@
   short, nor is a peer's the rank waits for: the deadline waits for it to end (up to
   `liveness.checkpointing_s`) and the grace counts again from its end, since the agreed stop still
   has steps to run after it. So a stop at any moment ends with the newest complete checkpoint on
-  disk and exit 0. The watchdog hears
-  the signal through `signal.set_wakeup_fd`, so it fires even while the main thread sits inside a
-  C++ collective that never returns to Python.
+  disk and exit 0. The watchdog hears the signal through `signal.set_wakeup_fd`, so it fires even
+  while the main thread sits inside a C++ collective that never returns to Python.
 * Fast failure: a rank whose role raises logs the error naming itself, records it for torchrun, and
   `os._exit(1)`s without `destroy_process_group` (which can block on a dead peer); the agent then
   tears the others down.
