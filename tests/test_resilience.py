@@ -456,6 +456,30 @@ def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_sigterm_while_the_first_step_compiles_exits_zero_with_nothing_to_save(tmp_path, monkeypatch):
+    """A preemption while the drafters still compile their first step (held 30 s by a test hook, as
+    a cold node's compile is): the stop cannot land before the compile ends, so the grace (3 s) ends
+    every rank, with exit 0 and saying why: no step was trained, nothing is lost."""
+    monkeypatch.setenv("DFLASH_MP_SLOW_COMPILE_S", "30")
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12", "logging.log_every=2",
+                  "checkpoint.every=2", "train.stop_grace_s=3"]
+    proc = start(3, ov)
+    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
+    while not (os.path.exists(log1) and "first step held" in open(log1).read()):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+    t0 = time.time()
+    signal_workers(proc.pid)
+    rc, out, end = finish(proc, timeout=120)
+    assert rc == 0, out[-6000:]
+    assert 3 <= end - t0 < 20, end - t0  # the grace, not the 30 s compile
+    assert out.count("before any drafter finished a step of this attempt") == 3, out[-6000:]
+    ckdir = f"{run_dir}/checkpoints"
+    assert not os.path.isdir(ckdir) or not os.listdir(ckdir)  # the stop wrote nothing: nothing was trained
+
+
 def test_a_rank_that_stalls_once_leaves_the_job_unchanged_and_its_peer_waits_it_out(tmp_path):
     """The target, then (another run) the drafter, pauses 1 s at step 3 (fault hook) while the ranks
     take turns at the "GPU". A stalled target empties the ring: the drafter waits that second for its

@@ -40,6 +40,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # Before anything slow: Slurm may signal early. A checkpoint under way holds the exit back up to its bound.
     stop = StopSignal(job.train.stop_grace_s, job.liveness.checkpointing_s).install()
+    stop.none_trained = lambda: True  # until the watcher below knows better: set-up trains nothing
     device = pick_device(local_rank)
     # The target, once: builtin names -> real paths, its config, tokenizer, captured layers and mask
     # token, validated. The planner and every role read these; nothing derives them again.
@@ -71,6 +72,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
     live = Liveness(watcher_store(datetime.timedelta(seconds=60)), rank, world, names, job.liveness,
                     job.transport.timeout_s).start()
     stop.peers_busy = lambda: live.peers_in("checkpointing")  # a stop waits for the drafters' last checkpoint
+    stop.none_trained = lambda: live.none_trained(topo.drafter_ranks)  # a stop during start-up loses nothing
     try:
         init_distributed(job, topo, device, backend, live, store, timeout)
         if rank == 0:

@@ -17,7 +17,9 @@
   short, nor is a peer's the rank waits for: the deadline waits for it to end (up to
   `liveness.checkpointing_s`) and the grace counts again from its end, since the agreed stop still
   has steps to run after it. So a stop at any moment ends with the newest complete checkpoint on
-  disk and exit 0. The watchdog hears the signal through `signal.set_wakeup_fd`, so it fires even
+  disk and exit 0. A rank the grace ends before any drafter has finished a step of this attempt
+  (the job still starting or compiling its first step) exits 0 too: nothing was trained to save.
+  The watchdog hears the signal through `signal.set_wakeup_fd`, so it fires even
   while the main thread sits inside a C++ collective that never returns to Python.
 * Fast failure: a rank whose role raises logs the error naming itself, records it for torchrun, and
   `os._exit(1)`s without `destroy_process_group` (which can block on a dead peer); the agent then
@@ -132,6 +134,7 @@ class StopSignal:
         # Other ranks still writing a checkpoint (Liveness.peers_in): a rank that waits for them at
         # the stop (a target for its drafters) waits as long as they write, not just its own grace.
         self.peers_busy: Callable[[], list[str]] = lambda: []
+        self.none_trained: Callable[[], bool] = lambda: False  # no drafter step done in this attempt
         self._finished = False
 
     @contextlib.contextmanager
@@ -218,6 +221,12 @@ class StopSignal:
                 break
         if self._finished:
             log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
+            _flush()
+            os._exit(0)
+        if self.none_trained():
+            log.warning("stopped %.0f s after the signal, before any drafter finished a step of this attempt "
+                        "(still starting or compiling): nothing trained to save beyond the checkpoint it "
+                        "started from; exiting 0", now - t0)
             _flush()
             os._exit(0)
         what = f" ({busy[0][0]} for {now - busy[0][1]:.0f} s)" if busy else ""
