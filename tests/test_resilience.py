@@ -411,6 +411,19 @@ def test_sigterm_checkpoints_exits_zero_and_resume_continues(tmp_path):
     assert os.path.exists(f"{run_dir}/export/model.safetensors")
 
 
+def signal_when_logged(proc, log_path: str, text: str, before: str) -> tuple[int, str, float]:
+    """SIGTERM every worker once `text` shows in `log_path`: the job's exit code, its output and the
+    seconds from the signal to its end."""
+    deadline = time.time() + 180
+    while not (os.path.exists(log_path) and text in open(log_path).read()):
+        assert proc.poll() is None and time.time() < deadline, f"the run ended before {before}"
+        time.sleep(0.2)
+    t0 = time.time()
+    signal_workers(proc.pid)
+    rc, out, end = finish(proc, timeout=120)
+    return rc, out, end - t0
+
+
 @pytest.mark.slow
 def test_sigterm_during_a_slow_final_checkpoint_waits_for_it_and_exits_zero(tmp_path):
     """The final checkpoint's write takes 8 s (fault hook), far past train.stop_grace_s=2: SIGTERM
@@ -419,15 +432,10 @@ def test_sigterm_during_a_slow_final_checkpoint_waits_for_it_and_exits_zero(tmp_
     ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=6", "logging.log_every=2",
                   "checkpoint.every=2", "train.stop_grace_s=2"]
     proc = start(3, ov, fault="1:6:slow_checkpoint")  # rank 1: the drafter leader, the final step's write
-    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
-    while not (os.path.exists(log1) and "FAULT slow_checkpoint" in open(log1).read()):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its final checkpoint"
-        time.sleep(0.2)
-    t0 = time.time()
-    signal_workers(proc.pid)
-    rc, out, end = finish(proc, timeout=120)
+    rc, out, took = signal_when_logged(proc, f"{run_dir}/logs/rank_1.log", "FAULT slow_checkpoint",
+                                       "its final checkpoint")
     assert rc == 0, out[-6000:]
-    assert end - t0 > 2, "exited before the write could finish"
+    assert took > 2, "exited before the write could finish"
     assert ckpt.resolve_resume("auto", f"{run_dir}/checkpoints").endswith("step_00000006")
     assert os.path.exists(f"{run_dir}/export/model.safetensors")
     assert "did not stop within" not in out
@@ -442,12 +450,8 @@ def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero
     ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12", "logging.log_every=2",
                   "checkpoint.every=2", "train.stop_grace_s=2"]
     proc = start(3, ov, fault="1:4:slow_checkpoint")
-    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
-    while not (os.path.exists(log1) and "FAULT slow_checkpoint" in open(log1).read()):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
-        time.sleep(0.2)
-    signal_workers(proc.pid)
-    rc, out, _ = finish(proc, timeout=120)
+    rc, out, _ = signal_when_logged(proc, f"{run_dir}/logs/rank_1.log", "FAULT slow_checkpoint",
+                                    "its step-4 checkpoint")
     assert rc == 0, out[-6000:]
     assert "did not stop within" not in out
     assert "grace over, but drafter rank" in out, out[-6000:]
@@ -456,30 +460,25 @@ def test_sigterm_while_a_drafter_checkpoint_holds_the_target_up_still_exits_zero
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_sigterm_while_the_first_step_compiles_exits_zero_with_nothing_to_save(tmp_path, monkeypatch):
     """A preemption while the drafters still compile their first step (held 30 s by a test hook, as
     a cold node's compile is): the stop cannot land before the compile ends, so the grace (3 s) ends
     every rank, with exit 0 and saying why: no step was trained, nothing is lost."""
     monkeypatch.setenv("DFLASH_MP_SLOW_COMPILE_S", "30")
     run_dir = str(tmp_path / "run")
-    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12", "logging.log_every=2",
-                  "checkpoint.every=2", "train.stop_grace_s=3"]
+    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12",
+                  "logging.log_every=2", "checkpoint.every=2", "train.stop_grace_s=3"]
     proc = start(3, ov)
-    log1, deadline = f"{run_dir}/logs/rank_1.log", time.time() + 180
-    while not (os.path.exists(log1) and "first step held" in open(log1).read()):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
-        time.sleep(0.2)
-    t0 = time.time()
-    signal_workers(proc.pid)
-    rc, out, end = finish(proc, timeout=120)
+    rc, out, took = signal_when_logged(proc, f"{run_dir}/logs/rank_1.log", "first step held",
+                                       "its first step")
     assert rc == 0, out[-6000:]
-    assert 3 <= end - t0 < 20, end - t0  # the grace, not the 30 s compile
+    assert 3 <= took < 20, took  # the grace, not the 30 s compile
     assert out.count("before any drafter finished a step of this attempt") == 3, out[-6000:]
     ckdir = f"{run_dir}/checkpoints"
     assert not os.path.isdir(ckdir) or not os.listdir(ckdir)  # the stop wrote nothing: nothing was trained
 
 
+@pytest.mark.slow
 def test_a_rank_that_stalls_once_leaves_the_job_unchanged_and_its_peer_waits_it_out(tmp_path):
     """The target, then (another run) the drafter, pauses 1 s at step 3 (fault hook) while the ranks
     take turns at the "GPU". A stalled target empties the ring: the drafter waits that second for its
