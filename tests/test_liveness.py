@@ -67,15 +67,16 @@ def test_no_drafter_has_trained_until_one_finishes_the_first_step_of_its_attempt
     """What lets a stop during start-up exit 0 (resilience.StopSignal.none_trained)."""
     w, drafters = watcher(), [1, 2]  # this rank is drafter 1; rank 0 is the target
     assert w.none_trained(drafters)  # before any step, no beat read yet
-    w._beats = {0: beat(1, step=9), 2: {**beat(1, "compiling", step=4), "first": 4}}  # resumed at step 4
+    w._beats = {0: {**beat(1, step=9), "trained": True},  # the target (a flag it never sets)
+                2: {**beat(1, "compiling", step=4), "trained": False}}
     w.step(4)
-    assert w.none_trained(drafters)  # the target's steps do not count; both drafters inside step 4
-    w.step(5)
-    assert not w.none_trained(drafters)  # this rank finished step 4
+    assert w.none_trained(drafters)  # the target does not count; both drafters inside their first step
+    w.trained()
+    assert not w.none_trained(drafters)  # this rank finished it
     w = watcher()
-    w.step(4)
-    w._beats = {2: {**beat(2, step=5), "first": 4}}
+    w._beats = {2: {**beat(2, step=5), "trained": True}}
     assert not w.none_trained(drafters)  # the other drafter did
+    assert w._payload()["trained"] is False  # what this rank tells the others
 
 
 def test_a_dead_pid_on_this_host_is_named_at_once():

@@ -212,13 +212,40 @@ def _peer_checkpointing_after_sigterm(grace, peer_s):
     from dflash_mp.resilience import StopSignal
 
     stop = StopSignal(grace).install()
-    until = []
+    until = [float("inf")]  # busy from the signal until the main thread below sets the end
     stop.peers_busy = lambda: ["drafter rank 1 [checkpointing (step 6) for 3 s]"] if time.monotonic() < until[0] else []
     print("ready", flush=True)
     stop.event.wait()
-    until.append(time.monotonic() + peer_s)
+    until[0] = time.monotonic() + peer_s
     while True:
         time.sleep(0.5)
+
+
+def _stuck_before_any_step_after_sigterm(grace):
+    """Stuck after the signal while no drafter has finished a step: the grace ends it with exit 0,
+    after telling its peers it is done (so that none of them reads its exit as a death)."""
+    from dflash_mp.resilience import StopSignal
+
+    stop = StopSignal(grace).install()
+    stop.none_trained = lambda: True
+    stop.on_clean_exit = lambda: print("done, told the peers", flush=True)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.5)
+
+
+def test_a_stop_before_any_trained_step_ends_the_rank_with_zero_after_telling_its_peers():
+    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; "
+            "t._stuck_before_any_step_after_sigterm(1.0)" % os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    took, out, err = time.monotonic() - t0, proc.stdout.read(), proc.stderr.read()
+    assert rc == 0 and 1.0 <= took < 4.0, (rc, took, err)
+    assert "done, told the peers" in out and "nothing trained to save" in err, (out, err)
 
 
 def test_a_rank_outlives_its_grace_while_a_peer_writes_its_checkpoint():
@@ -476,6 +503,20 @@ def test_sigterm_while_the_first_step_compiles_exits_zero_with_nothing_to_save(t
     assert out.count("before any drafter finished a step of this attempt") == 3, out[-6000:]
     ckdir = f"{run_dir}/checkpoints"
     assert not os.path.isdir(ckdir) or not os.listdir(ckdir)  # the stop wrote nothing: nothing was trained
+    assert "died" not in out, out[-6000:]  # a rank that exits 0 first is done to its peers, not dead
+
+
+@pytest.mark.slow
+def test_sigterm_after_trained_steps_with_a_hung_drafter_still_fails(tmp_path):
+    """The other side of the start-up rule: a drafter hangs at step 3 (fault hook), three steps
+    trained and none saved; the stop cannot land, the grace ends the ranks, and the job fails."""
+    run_dir = str(tmp_path / "run")
+    ov = SMALL + [f"run_dir={run_dir}", "topology.num_target_ranks=1", "train.max_steps=12",
+                  "logging.log_every=2", "checkpoint.every=0", "train.stop_grace_s=2"]
+    proc = start(3, ov, fault="2:3:hang")
+    rc, out, _ = signal_when_logged(proc, f"{run_dir}/logs/rank_2.log", "FAULT hang", "its hang")
+    assert rc != 0, out[-6000:]
+    assert "did not stop within" in out and "nothing trained to save" not in out, out[-6000:]
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._phase, self._detail, self._since = "starting", "", time.monotonic()
         self._step = -1
-        self._first: int | None = None  # the first step of this attempt (its resume step)
+        self._trained = False  # a drafter that has finished a step in this attempt
         self._wait: dict | None = None  # {"peer", "what", "since", "quiet"}: the main thread's wait
         self._reason = ""
         self._count = 0
@@ -142,9 +142,11 @@ class Liveness:
             self.phase(*prev)
 
     def step(self, step: int) -> None:
-        if self._first is None:
-            self._first = step
         self._step = step
+
+    def trained(self) -> None:
+        """A drafter finished its first step of this attempt: a stop from now on has a step to save."""
+        self._trained = True
 
     @contextmanager
     def waiting(self, peer: int, what: str, timeout_msg: str = ""):
@@ -190,18 +192,15 @@ class Liveness:
                 if r != self.rank and b is not None and b["phase"] == phase]
 
     def none_trained(self, ranks: list[int]) -> bool:
-        """No rank of `ranks` (the drafters) has finished a step in this attempt: each is still before
-        or inside its first step (starting, loading, the first compile), this rank from its own state,
-        the others from their last beats. A stop then has nothing to save beyond the checkpoint the
-        attempt started from. Any thread: a stop's watchdog asks it before ending the rank."""
+        """No rank of `ranks` (the drafters) has finished a step in this attempt (`trained`): each is
+        still before or inside its first step (starting, loading, the first compile), this rank from
+        its own state, the others from their last beats (up to one interval late). A stop then has
+        nothing to save beyond the checkpoint the attempt started from. Any thread: a stop's watchdog
+        asks it before ending the rank."""
         with self._lock:
             beats = dict(self._beats)
-            beats[self.rank] = {"step": self._step, "first": self._first}
-        for r in ranks:
-            b = beats.get(r)
-            if b is not None and b.get("first") is not None and b["step"] > b["first"]:
-                return False
-        return True
+            beats[self.rank] = {"trained": self._trained}
+        return not any(beats.get(r) is not None and beats[r].get("trained") for r in ranks)
 
     # ----------------------------------------------------------------------------- the thread
     def _payload(self) -> dict:
@@ -209,7 +208,7 @@ class Liveness:
         with self._lock:
             w = self._wait
             return {"n": self._count, "host": _HOST, "pid": os.getpid(), "phase": self._phase, "detail": self._detail,
-                    "age": round(now - self._since, 1), "step": self._step, "first": self._first,
+                    "age": round(now - self._since, 1), "step": self._step, "trained": self._trained,
                     "reason": self._reason,
                     "wait": None if w is None else {"peer": w["peer"], "what": w["what"],
                                                     "for": round(now - w["since"], 1)}}
@@ -358,6 +357,9 @@ class NullLiveness:
         yield
 
     def step(self, step: int) -> None:
+        pass
+
+    def trained(self) -> None:
         pass
 
     @contextmanager

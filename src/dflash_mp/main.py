@@ -73,6 +73,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
                     job.transport.timeout_s).start()
     stop.peers_busy = lambda: live.peers_in("checkpointing")  # a stop waits for the drafters' last checkpoint
     stop.none_trained = lambda: live.none_trained(topo.drafter_ranks)  # a stop during start-up loses nothing
+    stop.on_clean_exit = live.done
     try:
         init_distributed(job, topo, device, backend, live, store, timeout)
         if rank == 0:

@@ -120,7 +120,8 @@ STALL_S = 1.0
 
 # --------------------------------------------------------------------------------- graceful stop
 class StopSignal:
-    """SIGTERM -> `requested`; from then on the process has `grace_s` to exit on its own."""
+    """SIGTERM -> `requested`; from then on the process has `deadline_s()` to exit on its own, counted
+    from the signal or from the end of the last checkpoint it waited for (module doc)."""
 
     def __init__(self, grace_s: float, max_protected_s: float = 1800.0):
         self.grace_s = grace_s
@@ -135,6 +136,8 @@ class StopSignal:
         # the stop (a target for its drafters) waits as long as they write, not just its own grace.
         self.peers_busy: Callable[[], list[str]] = lambda: []
         self.none_trained: Callable[[], bool] = lambda: False  # no drafter step done in this attempt
+        # Told before the watchdog's exit 0 (Liveness.done), so that peers do not take it for a death.
+        self.on_clean_exit: Callable[[], None] = lambda: None
         self._finished = False
 
     @contextlib.contextmanager
@@ -162,8 +165,8 @@ class StopSignal:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def deadline_s(self) -> float:
-        """Seconds after the signal the process may take: the configured grace plus the longest
-        checkpoint measured (the stop writes one more)."""
+        """The grace in seconds: the configured one plus the longest checkpoint measured (the stop
+        writes one more), counted from the signal or from the end of a checkpoint the rank waited for."""
         return self.grace_s + self.work_s
 
     @property
@@ -209,7 +212,7 @@ class StopSignal:
             if busy and now - busy[0][1] < self.max_protected_s:
                 held = now
                 continue  # a checkpoint or export under way: cutting it short would lose it
-            peers = self.peers_busy() if now - t0 < self.deadline_s() + self.max_protected_s else []
+            peers = _ask(self.peers_busy, []) if now - t0 < self.deadline_s() + self.max_protected_s else []
             if peers:
                 held = now  # the stop this rank waits for cannot land before the peer's checkpoint ends
                 if now - t0 > self.deadline_s() and not noted:  # once: why this rank outlives its grace
@@ -223,10 +226,11 @@ class StopSignal:
             log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
             _flush()
             os._exit(0)
-        if self.none_trained():
+        if _ask(self.none_trained, False):
             log.warning("stopped %.0f s after the signal, before any drafter finished a step of this attempt "
                         "(still starting or compiling): nothing trained to save beyond the checkpoint it "
                         "started from; exiting 0", now - t0)
+            _ask(self.on_clean_exit, None)
             _flush()
             os._exit(0)
         what = f" ({busy[0][0]} for {now - busy[0][1]:.0f} s)" if busy else ""
@@ -242,6 +246,15 @@ class StopSignal:
         log.error("second interrupt: exiting now, without a checkpoint")
         _flush()
         os._exit(130)
+
+
+def _ask(hook: Callable, default):
+    """A watchdog hook's answer; its failure is logged and read as `default`, never ends the watchdog."""
+    try:
+        return hook()
+    except Exception as e:  # noqa: BLE001 - the watchdog must outlive a hook's bug
+        log.warning("stop watchdog: %s failed (%s: %s)", getattr(hook, "__name__", hook), type(e).__name__, e)
+        return default
 
 
 class StopAgreement:

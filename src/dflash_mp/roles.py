@@ -401,6 +401,7 @@ class DrafterRun(_RoleRun):
                 if done - self.start == WARMUP_STEPS and self.lead and self.compiled:  # everything is compiled now
                     compile_cache.save(self.cache_path)
             if done == self.start + 1:
+                self.live.trained()  # a stop from now on has a step to save
                 startup_s = process_age_s()
                 log.info("first drafter step done %.1f s after the process started (its batch came after %.1f s; "
                          "%s)", startup_s, startup_s - (time.perf_counter() - tw - parts["waiting for data"]),
