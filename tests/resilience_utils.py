@@ -100,6 +100,19 @@ ERROR_RE = re.compile(r"^\[(\d\d):(\d\d):(\d\d) ([TD])(\d+) ERROR dflash_mp\.(?:
                       r"(\w+ rank \d+(?: \(stage \d+ of \d+\))? failed: .*)$", re.MULTILINE)
 
 
+def signal_when_logged(proc, log_path: str, text: str, before: str) -> tuple[int, str, float]:
+    """SIGTERM every worker once `text` shows in `log_path`: the job's exit code, its output and the
+    seconds from the signal to its end."""
+    deadline = time.time() + 180
+    while not (os.path.exists(log_path) and text in open(log_path).read()):
+        assert proc.poll() is None and time.time() < deadline, f"the run ended before {before}"
+        time.sleep(0.2)
+    t0 = time.time()
+    signal_workers(proc.pid)
+    rc, out, end = finish(proc, timeout=120)
+    return rc, out, end - t0
+
+
 def rank_error(out: str, text: str) -> tuple[str, float]:
     """(message, seconds from the fault to it) of the first rank error line containing `text`.
 

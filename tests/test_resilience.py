@@ -19,8 +19,8 @@ from dflash_mp.resilience import Fault, StopAgreement, effective_resume, fault_f
 
 from dist_utils import run_ranks
 from e2e_utils import SMALL, losses, scalars
-from resilience_utils import (consumed, expected_data, fault_time, finish, rank_error, run, signal_workers,
-                              start)
+from resilience_utils import (consumed, expected_data, fault_time, finish, rank_error, run, signal_when_logged,
+                              signal_workers, start)
 
 STEPS = 8
 CRASH = SMALL + ["topology.num_target_ranks=1", f"train.max_steps={STEPS}", "checkpoint.every=2",
@@ -436,19 +436,6 @@ def test_sigterm_checkpoints_exits_zero_and_resume_continues(tmp_path):
     for step in range(2, 25, 2):  # rows cover two steps each
         assert seen[step] == {k: want[step - 1][k] + want[step][k] for k in want[step]}, step
     assert os.path.exists(f"{run_dir}/export/model.safetensors")
-
-
-def signal_when_logged(proc, log_path: str, text: str, before: str) -> tuple[int, str, float]:
-    """SIGTERM every worker once `text` shows in `log_path`: the job's exit code, its output and the
-    seconds from the signal to its end."""
-    deadline = time.time() + 180
-    while not (os.path.exists(log_path) and text in open(log_path).read()):
-        assert proc.poll() is None and time.time() < deadline, f"the run ended before {before}"
-        time.sleep(0.2)
-    t0 = time.time()
-    signal_workers(proc.pid)
-    rc, out, end = finish(proc, timeout=120)
-    return rc, out, end - t0
 
 
 @pytest.mark.slow

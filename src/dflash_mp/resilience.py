@@ -222,14 +222,11 @@ class StopSignal:
             # The grace counts from the end of the last hold-up: the stop still has steps to run after it.
             if now - held > self.deadline_s():
                 break
-        if self._finished:
-            log.warning("work done, teardown still running %.0f s after the signal: exiting", now - t0)
-            _flush()
-            os._exit(0)
-        if _ask(self.none_trained, False):
-            log.warning("stopped %.0f s after the signal, before any drafter finished a step of this attempt "
-                        "(still starting or compiling): nothing trained to save beyond the checkpoint it "
-                        "started from; exiting 0", now - t0)
+        if self._finished or _ask(self.none_trained, False):  # nothing to lose: a clean exit
+            why = ("work done, teardown still running" if self._finished else
+                   "stopped before any drafter finished a step of this attempt (still starting or compiling): "
+                   "nothing trained to save beyond the checkpoint it started from")
+            log.warning("%s %.0f s after the signal: exiting 0", why, now - t0)
             _ask(self.on_clean_exit, None)
             _flush()
             os._exit(0)
