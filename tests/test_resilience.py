@@ -221,14 +221,21 @@ def _peer_checkpointing_after_sigterm(grace, peer_s):
         time.sleep(0.5)
 
 
-def _stuck_before_any_step_after_sigterm(grace):
+def _stuck_before_any_step_after_sigterm(grace, store_gone=False):
     """Stuck after the signal while no drafter has finished a step: the grace ends it with exit 0,
-    after telling its peers it is done (so that none of them reads its exit as a death)."""
+    after telling its peers it is done (so that none of them reads its exit as a death).
+    `store_gone`: telling them blocks, as a write to a store that no longer answers does."""
     from dflash_mp.resilience import StopSignal
+
+    def tell():
+        print("telling the peers", flush=True)
+        if store_gone:
+            time.sleep(3600)
+        print("done, told the peers", flush=True)
 
     stop = StopSignal(grace).install()
     stop.none_trained = lambda: True
-    stop.on_clean_exit = lambda: print("done, told the peers", flush=True)
+    stop.on_clean_exit = tell
     print("ready", flush=True)
     while True:
         time.sleep(0.5)
@@ -246,6 +253,28 @@ def test_a_stop_before_any_trained_step_ends_the_rank_with_zero_after_telling_it
     took, out, err = time.monotonic() - t0, proc.stdout.read(), proc.stderr.read()
     assert rc == 0 and 1.0 <= took < 4.0, (rc, took, err)
     assert "done, told the peers" in out and "nothing trained to save" in err, (out, err)
+
+
+def test_a_clean_exit_does_not_wait_long_on_peers_it_cannot_reach():
+    """The store gone with the agent: telling the peers blocks, and the rank still exits 0, a few
+    seconds after its grace (CLEAN_EXIT_HOOK_S), not after the store's 60 s timeout."""
+    from dflash_mp.resilience import CLEAN_EXIT_HOOK_S
+
+    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; "
+            "t._stuck_before_any_step_after_sigterm(1.0, store_gone=True)" % os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    took, out, err = time.monotonic() - t0, proc.stdout.read(), proc.stderr.read()
+    assert rc == 0 and 1.0 + CLEAN_EXIT_HOOK_S <= took < 4.0 + CLEAN_EXIT_HOOK_S, (rc, took, err)
+    assert "telling the peers" in out and "done, told" not in out, out
+    assert "tell did not return within 3 s" in err, err
 
 
 def test_a_rank_outlives_its_grace_while_a_peer_writes_its_checkpoint():

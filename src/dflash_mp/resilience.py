@@ -116,6 +116,9 @@ def maybe_fault(fault: Fault | None, rank: int, step: int, *actions: str) -> Non
 
 SLOW_CHECKPOINT_S = 8.0
 STALL_S = 1.0
+# The longest a clean exit waits to tell the peers it is done (a beat written to the store; a store
+# that no longer answers would hold the exit for its whole timeout).
+CLEAN_EXIT_HOOK_S = 3.0
 
 
 # --------------------------------------------------------------------------------- graceful stop
@@ -227,7 +230,7 @@ class StopSignal:
                    "stopped before any drafter finished a step of this attempt (still starting or compiling): "
                    "nothing trained to save beyond the checkpoint it started from")
             log.warning("%s %.0f s after the signal: exiting 0", why, now - t0)
-            _ask(self.on_clean_exit, None)
+            _ask(self.on_clean_exit, None, within_s=CLEAN_EXIT_HOOK_S)
             _flush()
             os._exit(0)
         what = f" ({busy[0][0]} for {now - busy[0][1]:.0f} s)" if busy else ""
@@ -245,12 +248,23 @@ class StopSignal:
         os._exit(130)
 
 
-def _ask(hook: Callable, default):
-    """A watchdog hook's answer; its failure is logged and read as `default`, never ends the watchdog."""
+def _ask(hook: Callable, default, within_s: float | None = None):
+    """A watchdog hook's answer; its failure is logged and read as `default`, never ends the watchdog.
+    `within_s`: the hook runs on a thread of its own and an answer later than that is `default` too
+    (a store write to an agent that no longer answers blocks up to the store's 60 s timeout)."""
+    name = getattr(hook, "__name__", hook)
+    if within_s is not None:
+        got = []
+        t = threading.Thread(target=lambda: got.append(_ask(hook, default)), name="dflash-stop-hook", daemon=True)
+        t.start()
+        t.join(within_s)
+        if not got:
+            log.warning("stop watchdog: %s did not return within %.0f s; going on without it", name, within_s)
+        return got[0] if got else default
     try:
         return hook()
     except Exception as e:  # noqa: BLE001 - the watchdog must outlive a hook's bug
-        log.warning("stop watchdog: %s failed (%s: %s)", getattr(hook, "__name__", hook), type(e).__name__, e)
+        log.warning("stop watchdog: %s failed (%s: %s)", name, type(e).__name__, e)
         return default
 
 
