@@ -255,7 +255,8 @@ def _ask(hook: Callable, default, within_s: float | None = None):
     name = getattr(hook, "__name__", hook)
     if within_s is not None:
         got = []
-        t = threading.Thread(target=lambda: got.append(_ask(hook, default)), name="dflash-stop-hook", daemon=True)
+        t = threading.Thread(target=lambda: got.append(_ask(hook, default)), name="dflash-stop-hook",
+                             daemon=True)
         t.start()
         t.join(within_s)
         if not got:
