@@ -17,6 +17,11 @@ descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward re
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
+`-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
+Triton templates, with the SwiGLU and norms fused as epilogues where a template wins; the pointwise
+configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
+(triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
+forward's time (`warmup_ms[0]`) holds the autotuning.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -100,9 +105,12 @@ def main() -> None:
                         else "flex_attention")
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(@|$)", v) is not None
+                tune = re.search(r"-autotune(-tma)?(-|@|$)", v)
+                options = None if not tune else {"max_autotune": True, **(
+                    {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      defer_residual="-nodefer" not in v)
+                                      defer_residual="-nodefer" not in v, compile_options=options)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

@@ -158,6 +158,12 @@ def test_the_target_compiles_with_untimed_pointwise_configs(tmp_path, monkeypatc
     TargetWorker(model, [1, 3], torch.device("cpu"), compile=True, compile_scope=scope)
     assert len(seen) == (4 if scope == "layers" else 1)
     assert all(o == {"triton.autotune_pointwise": False} for o in seen)
+    # Options a caller adds (bench/target_forward.py's -autotune variants) come on top of those.
+    seen.clear()
+    TargetWorker(model, [1, 3], torch.device("cpu"), compile=True, compile_scope=scope,
+                 compile_options={"max_autotune": True})
+    assert len(seen) == (4 if scope == "layers" else 1)
+    assert all(o == {"triton.autotune_pointwise": False, "max_autotune": True} for o in seen)
 
 
 def test_later_layers_and_lm_head_never_run(tmp_path):

@@ -110,11 +110,15 @@ class TargetWorker:
     `defer_residual`: compiled layer by layer, layers laid out as Llama's hand the next one their
     (residual, delta) pair and it adds them inside its input norm (DeferredAdd): one pass over the
     residual stream less per layer (0.6 ms of an 8B forward). Checked at load (check_compiled).
+
+    `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
+    `-autotune` variants: the layers' matmuls autotuned against Triton templates).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
-                 compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True):
+                 compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
+                 compile_options: dict | None = None):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -166,6 +170,7 @@ class TargetWorker:
                        if (m := getattr(decoder.layers[i], "linear_attn", None)) is not None}
         self.linear_how = describe_linear(set(self.linear.values()), torch.device(device))
         self.compiled, self.compile_scope = compile, compile_scope
+        self.compile_options = {**COMPILE_OPTIONS, **(compile_options or {})}
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
         self.deferred = False  # the compiled layers are DeferredAdds
         if not compile:
@@ -176,7 +181,7 @@ class TargetWorker:
             self._compile_layers()
             self._run = self._forward
         elif compile_scope == "forward":
-            self._run = torch.compile(self._forward, dynamic=False, options=COMPILE_OPTIONS)
+            self._run = torch.compile(self._forward, dynamic=False, options=self.compile_options)
         else:
             raise ValueError(f"compile_scope={compile_scope!r}: use layers or forward")
         self.graph: ForwardGraph | None = None
@@ -231,7 +236,8 @@ class TargetWorker:
 
     def _compile_layers(self) -> None:
         first, end = self.stage_layers
-        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False, options=COMPILE_OPTIONS)
+        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False,
+                                     options=self.compile_options)
                        if first <= i < end else m for i, m in enumerate(self.decoder.layers)]
 
     # ------------------------------------------------------------------------------------ forward
