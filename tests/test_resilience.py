@@ -155,15 +155,24 @@ def _sleep_after_sigterm(grace):
         time.sleep(0.5)
 
 
-def test_sigterm_watchdog_ends_a_stuck_rank_after_the_grace_period():
-    code = "import sys; sys.path.insert(0, %r); import test_resilience as t; t._sleep_after_sigterm(1.0)"
-    proc = subprocess.Popen([sys.executable, "-c", code % os.path.dirname(__file__)], stdout=subprocess.PIPE,
-                            text=True)
+def _signal_and_time(call: str, timeout: float = 30.0):
+    """`t.<call>` of this module in a child process, SIGTERMed once it prints "ready": (exit code,
+    stdout, stderr, seconds from the signal to the exit). A child still running at `timeout` is killed."""
+    code = "import sys; sys.path.insert(0, %r); import test_resilience as t; t.%s" % (os.path.dirname(__file__), call)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 1
-    assert time.monotonic() - t0 < 3.0
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    return rc, proc.stdout.read(), proc.stderr.read(), time.monotonic() - t0
+
+
+def test_sigterm_watchdog_ends_a_stuck_rank_after_the_grace_period():
+    rc, _, err, took = _signal_and_time("_sleep_after_sigterm(1.0)", timeout=20)
+    assert rc == 1 and took < 3.0, (rc, took, err)
 
 
 def _protected_after_sigterm(grace, before_s, during_s):
@@ -186,24 +195,13 @@ def _protected_after_sigterm(grace, before_s, during_s):
         time.sleep(0.5)
 
 
-def _signal_and_time(args):
-    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; t._protected_after_sigterm(%s)"
-            % (os.path.dirname(__file__), args))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=30)
-    return rc, proc.stdout.read(), time.monotonic() - t0
-
-
 def test_a_stop_never_cuts_a_checkpoint_short_and_its_time_lengthens_the_grace():
     # A 3 s write under way when the 1 s grace runs out: it finishes, then the grace (1 s + the 3 s
     # measured) counts from its end.
-    rc, out, took = _signal_and_time("1.0, 0, 3.0")
+    rc, out, _, took = _signal_and_time("_protected_after_sigterm(1.0, 0, 3.0)")
     assert "written" in out and rc == 1 and 6.8 <= took < 10.0, (rc, out, took)
     # A 2 s checkpoint measured earlier: a stuck rank gets 1 + 2 s, not the bare 1 s.
-    rc, out, took = _signal_and_time("1.0, 2.0, 0")
+    rc, out, _, took = _signal_and_time("_protected_after_sigterm(1.0, 2.0, 0)")
     assert rc == 1 and 2.8 <= took < 6.0, took
 
 
@@ -242,15 +240,7 @@ def _stuck_before_any_step_after_sigterm(grace, store_gone=False):
 
 
 def test_a_stop_before_any_trained_step_ends_the_rank_with_zero_after_telling_its_peers():
-    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; "
-            "t._stuck_before_any_step_after_sigterm(1.0)" % os.path.dirname(__file__))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=30)
-    took, out, err = time.monotonic() - t0, proc.stdout.read(), proc.stderr.read()
+    rc, out, err, took = _signal_and_time("_stuck_before_any_step_after_sigterm(1.0)")
     assert rc == 0 and 1.0 <= took < 4.0, (rc, took, err)
     assert "done, told the peers" in out and "nothing trained to save" in err, (out, err)
 
@@ -260,18 +250,7 @@ def test_a_clean_exit_does_not_wait_long_on_peers_it_cannot_reach():
     seconds after its grace (CLEAN_EXIT_HOOK_S), not after the store's 60 s timeout."""
     from dflash_mp.resilience import CLEAN_EXIT_HOOK_S
 
-    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; "
-            "t._stuck_before_any_step_after_sigterm(1.0, store_gone=True)" % os.path.dirname(__file__))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(timeout=20)
-    finally:
-        proc.kill()
-    took, out, err = time.monotonic() - t0, proc.stdout.read(), proc.stderr.read()
+    rc, out, err, took = _signal_and_time("_stuck_before_any_step_after_sigterm(1.0, store_gone=True)", timeout=20)
     assert rc == 0 and 1.0 + CLEAN_EXIT_HOOK_S <= took < 4.0 + CLEAN_EXIT_HOOK_S, (rc, took, err)
     assert "telling the peers" in out and "done, told" not in out, out
     assert "tell did not return within 3 s" in err, err
@@ -280,14 +259,7 @@ def test_a_clean_exit_does_not_wait_long_on_peers_it_cannot_reach():
 def test_a_rank_outlives_its_grace_while_a_peer_writes_its_checkpoint():
     """A target waiting at the stop for its drafter's checkpoint is not cut off by its own grace, nor
     the moment the checkpoint ends: the stop still has steps to run, so the grace counts from there."""
-    code = ("import sys; sys.path.insert(0, %r); import test_resilience as t; t._peer_checkpointing_after_sigterm(1.0, 4.0)"
-            % os.path.dirname(__file__))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=30)
-    took, err = time.monotonic() - t0, proc.stderr.read()
+    rc, _, err, took = _signal_and_time("_peer_checkpointing_after_sigterm(1.0, 4.0)")
     assert rc == 1 and 4.8 <= took < 8.0, (took, err)  # then stuck for real: the watchdog ends it
     assert "grace over, but drafter rank 1 [checkpointing" in err, err
 
