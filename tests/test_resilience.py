@@ -158,8 +158,10 @@ def _sleep_after_sigterm(grace):
 def _signal_and_time(call: str, timeout: float = 30.0):
     """`t.<call>` of this module in a child process, SIGTERMed once it prints "ready": (exit code,
     stdout, stderr, seconds from the signal to the exit). A child still running at `timeout` is killed."""
-    code = "import sys; sys.path.insert(0, %r); import test_resilience as t; t.%s" % (os.path.dirname(__file__), call)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    here = os.path.dirname(__file__)
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_resilience as t; t.{call}"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -250,7 +252,8 @@ def test_a_clean_exit_does_not_wait_long_on_peers_it_cannot_reach():
     seconds after its grace (CLEAN_EXIT_HOOK_S), not after the store's 60 s timeout."""
     from dflash_mp.resilience import CLEAN_EXIT_HOOK_S
 
-    rc, out, err, took = _signal_and_time("_stuck_before_any_step_after_sigterm(1.0, store_gone=True)", timeout=20)
+    rc, out, err, took = _signal_and_time("_stuck_before_any_step_after_sigterm(1.0, store_gone=True)",
+                                          timeout=20)
     assert rc == 0 and 1.0 + CLEAN_EXIT_HOOK_S <= took < 4.0 + CLEAN_EXIT_HOOK_S, (rc, took, err)
     assert "telling the peers" in out and "done, told" not in out, out
     assert "tell did not return within 3 s" in err, err
