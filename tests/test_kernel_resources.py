@@ -1,0 +1,63 @@
+"""The project's Triton kernels compile for the H200 (sm_90) as the ops launch them, on this CPU
+(bench/kernel_resources.py: Triton's compiler and ptxas, no GPU), and fit it: the interpreter tests
+check the kernels' arithmetic, not that the GPU compiler takes them or that their tiles fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import triton_interp
+
+ROOT = triton_interp.ROOT
+pytestmark = pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels") / "resources.json"
+    path = os.pathsep.join(p for p in (triton_interp.triton_path(), str(ROOT / "src")) if p)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_every_kernel_compiles_for_the_h200_at_every_preset_shape(compiled):
+    got, table = compiled
+    assert got["arch"] == 90
+    launched = {(r["case"], r["kernel"]) for r in got["rows"]}
+    drafter = ("block_attn_fwd", "block_attn_bwd_dq", "block_attn_bwd_dkv")
+    want = {(f"drafter {name}{how}", k) for name in ("qwen3_8b", "qwen3_5_27b_sliding", "llama3_3_70b")
+            for how in ("", " pointers") for k in drafter}
+    want |= {(f"target {name}{how}", "doc_attn_fwd") for name in ("qwen3_8b", "qwen3_5_27b", "head_dim_64")
+             for how in ("", " pointers")}
+    want |= {(f"loss {name}", k) for name in ("qwen", "llama") for k in ("stats_lanes_kernel", "grad_kernel")}
+    assert launched == want, table
+    # The ops' own choices reached the compiler: two blocks a program where G*B allows it, TMA on request.
+    meta = {(r["case"], r["kernel"]): r["meta"] for r in got["rows"]}
+    assert meta[("drafter qwen3_8b", "block_attn_fwd")]["NB"] == 2
+    assert meta[("drafter llama3_3_70b", "block_attn_fwd")]["NB"] == 1
+    assert meta[("drafter qwen3_8b", "block_attn_bwd_dq")]["TMA"] is True
+    assert meta[("drafter qwen3_8b pointers", "block_attn_bwd_dq")]["TMA"] is False
+
+
+def test_every_kernel_fits_the_h200s_shared_memory_at_its_measured_stages(compiled):
+    got, table = compiled
+    over = [(r["case"], r["kernel"], r["shared"]) for r in got["rows"] if r["shared"] > got["shared_limit"]]
+    assert not over, f"over {got['shared_limit']} bytes (a launch would drop a stage, slower than measured):\n{table}"
+
+
+def test_no_kernel_spills_registers_but_the_drafters_dkv(compiled):
+    """The dK/dV kernel's 128 x 128 tiles of four matmuls use every register and spill (BENCHMARKS.md,
+    issue 31); every other kernel keeps its state in registers."""
+    got, table = compiled
+    spills = [(r["case"], r["kernel"], r["stack"]) for r in got["rows"]
+              if (r["stack"] or r["local"]) and r["kernel"] != "block_attn_bwd_dkv"]
+    assert not spills, table
