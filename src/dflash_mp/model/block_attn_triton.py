@@ -103,19 +103,25 @@ def _own_keys(K, V, T, A, i0, blk, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.con
 
 
 @triton.jit
+def _program(ORDER, A, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+    """The forward's and dQ's program: its first block i0 (NB x its place in ORDER), its KV head g, and
+    per tile row (_rows) its block i, whether it is a live row, its query row and its query head; d
+    the head dimension's lanes."""
+    i0 = tl.load(ORDER + tl.program_id(0)) * NB
+    g = tl.program_id(1)
+    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
+    i = i0 + blk
+    return i0, g, rr, blk, slot, head, i, real & (i < A), i * B + slot, tl.arange(0, D)
+
+
+@triton.jit
 def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s,
         so_h, T, A, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr,
         D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
         NB: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1 (i0 = NB x the program's place in ORDER), KV head g: output rows and
     their log-sum-exp (base 2)."""
-    i0 = tl.load(ORDER + tl.program_id(0)) * NB
-    g = tl.program_id(1)
-    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
-    i = i0 + blk
-    live = real & (i < A)
-    qrow = i * B + slot
-    d = tl.arange(0, D)
+    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB)
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
     srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
     m = tl.full([NB * RB], float("-inf"), tl.float32)
@@ -152,13 +158,7 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
            WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1, KV head g: dQ of their rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of
     their own keys."""
-    i0 = tl.load(ORDER + tl.program_id(0)) * NB
-    g = tl.program_id(1)
-    r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
-    i = i0 + blk
-    live = real & (i < A)
-    qrow = i * B + slot
-    d = tl.arange(0, D)
+    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB)
     rows2d = live[:, None]
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rows2d, other=0.0)
     do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=rows2d, other=0.0)
