@@ -86,6 +86,9 @@ TRITON_VARIANTS = {
                           "DQ_BLOCK_N": 64, "dq_stages": 3},
     "triton-pairq-s2": {"q_blocks": 2, "fwd_warps": 8, "dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 2},
     "triton-dq64w8": {"dq_warps": 8, "DQ_BLOCK_N": 64, "dq_stages": 3},  # pairq's dQ tiles, one block a program
+    # dK/dV over 64-row tiles keeping 8 warps: 241 registers and no spill at 8B shapes, where the default
+    # spills 48 B and triton-n2x64 (4 warps) 256 B (bench/kernel_resources.py); never timed.
+    "triton-n2x64w8": {"BLOCK_N2": 64},
 }
 
 
