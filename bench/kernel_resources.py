@@ -6,8 +6,8 @@ sm_90 (H100/H200) by Triton's own compiler and ptxas, and its resources read fro
     python bench/kernel_resources.py --json out.json  # also as JSON (tests/test_kernel_resources.py)
     python bench/kernel_resources.py --ptx DIR        # each kernel's PTX, debug lines stripped
 
-Shared memory is what a launch asks for (a kernel over the GPU's 227 KiB per block fails to launch and
-triton_launch.launch retries it with a stage fewer); registers and stack (spilled registers) are
+Shared memory is what a launch asks for (a kernel over the GPU's limit, 227 KiB a block on sm_90 and
+163 KiB on sm_80, fails to launch and triton_launch.launch retries it with a stage fewer); registers and stack (spilled registers) are
 ptxas's. `--ptx` of two commits, diffed, shows whether a change to a kernel's source changed its
 code. Needs the triton package (on a CPU machine: `make install` puts it in build/triton-interp;
 run with PYTHONPATH=build/triton-interp:src). Nothing runs on a GPU: the ops are called on CPU tensors
@@ -26,7 +26,8 @@ import tempfile
 
 import torch
 
-SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
+# Bytes of shared memory a block may use: sm_90 (H100/H200) 227 KiB, sm_80 (A100) 163 KiB.
+SHARED_LIMIT = {90: 232448, 80: 166912}
 
 # Drafter attention shapes of the presets: (name, query heads, KV heads, head_dim, block size, window).
 DRAFTERS = [
@@ -171,7 +172,8 @@ def _loss(vocab: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--arch", type=int, default=90,
+                    help="compute capability x 10 (90: H100/H200; 80: A100, whose kernels load through pointers)")
     ap.add_argument("--json", help="write the rows (without PTX) here")
     ap.add_argument("--ptx", help="write each kernel's stripped PTX into this directory")
     a = ap.parse_args()
@@ -186,7 +188,7 @@ def main() -> None:
         r.pop("ptx")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"arch": a.arch, "shared_limit": SM90_SHARED, "rows": rows}, f, indent=1)
+            json.dump({"arch": a.arch, "shared_limit": SHARED_LIMIT.get(a.arch), "rows": rows}, f, indent=1)
     print(f"{'case':36} {'kernel':20} {'warps':>5} {'stages':>6} {'shared B':>9} {'regs':>4} {'stack':>5}")
     for r in rows:
         m = r["meta"]

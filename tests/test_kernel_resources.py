@@ -18,20 +18,24 @@ pytestmark = pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_inte
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled(request, tmp_path_factory):
+    """(the tool's JSON, its table) for the compute capability `request.param` x 10."""
     out = tmp_path_factory.mktemp("kernels") / "resources.json"
     path = os.pathsep.join(p for p in (triton_interp.triton_path(), str(ROOT / "src")) if p)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--json", str(out)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--json", str(out),
+                          "--arch", str(request.param)], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text()), run.stdout
 
 
-def test_every_kernel_compiles_for_the_h200_at_every_preset_shape(compiled):
+BOTH = pytest.mark.parametrize("compiled", [90, 80], ids=["h200", "a100"], indirect=True)
+
+
+@BOTH
+def test_every_kernel_compiles_at_every_preset_shape(compiled):
     got, table = compiled
-    assert got["arch"] == 90
     launched = {(r["case"], r["kernel"]) for r in got["rows"]}
     drafter = ("block_attn_fwd", "block_attn_bwd_dq", "block_attn_bwd_dkv")
     want = {(f"drafter {name}{how}", k) for name in ("qwen3_8b", "qwen3_5_27b_sliding", "llama3_3_70b")
@@ -48,15 +52,19 @@ def test_every_kernel_compiles_for_the_h200_at_every_preset_shape(compiled):
     assert meta[("drafter qwen3_8b pointers", "block_attn_bwd_dq")]["TMA"] is False
 
 
-def test_every_kernel_fits_the_h200s_shared_memory_at_its_measured_stages(compiled):
+@BOTH
+def test_every_kernel_fits_the_gpus_shared_memory_at_its_measured_stages(compiled):
+    """On the H200 every path; on the A100, which has no TMA, the pointer paths it runs."""
     got, table = compiled
-    over = [(r["case"], r["kernel"], r["shared"]) for r in got["rows"] if r["shared"] > got["shared_limit"]]
+    runs = [r for r in got["rows"] if got["arch"] >= 90 or r["meta"].get("TMA") is not True]
+    over = [(r["case"], r["kernel"], r["shared"]) for r in runs if r["shared"] > got["shared_limit"]]
     assert not over, f"over {got['shared_limit']} bytes (a launch would drop a stage, slower than measured):\n{table}"
 
 
-def test_no_kernel_spills_registers_but_the_drafters_dkv(compiled):
+@pytest.mark.parametrize("compiled", [90], ids=["h200"], indirect=True)
+def test_no_kernel_spills_registers_on_the_h200_but_the_drafters_dkv(compiled):
     """The dK/dV kernel's 128 x 128 tiles of four matmuls use every register and spill (BENCHMARKS.md,
-    issue 31); every other kernel keeps its state in registers."""
+    issue 31); every other kernel keeps its state in registers on the H200 the tiles were measured on."""
     got, table = compiled
     spills = [(r["case"], r["kernel"], r["stack"]) for r in got["rows"]
               if (r["stack"] or r["local"]) and r["kernel"] != "block_attn_bwd_dkv"]
