@@ -1,17 +1,18 @@
 """The project's Triton kernels compiled for a GPU on a machine without one: each kernel as the ops
 launch it at the presets' shapes (the same specialization, tiles, warps and stages), compiled for
-sm_90 (H100/H200) by Triton's own compiler and ptxas, and its resources read from the cubin:
+sm_90 (H100/H200; `--arch 80`: the A100) by Triton's own compiler and ptxas, and its resources read
+from the cubin:
 
     python bench/kernel_resources.py                  # the table
     python bench/kernel_resources.py --json out.json  # also as JSON (tests/test_kernel_resources.py)
     python bench/kernel_resources.py --ptx DIR        # each kernel's PTX, debug lines stripped
 
-Shared memory is what a launch asks for (a kernel over the GPU's limit, 227 KiB a block on sm_90 and
-163 KiB on sm_80, fails to launch and triton_launch.launch retries it with a stage fewer); registers and stack (spilled registers) are
-ptxas's. `--ptx` of two commits, diffed, shows whether a change to a kernel's source changed its
-code. Needs the triton package (on a CPU machine: `make install` puts it in build/triton-interp;
-run with PYTHONPATH=build/triton-interp:src). Nothing runs on a GPU: the ops are called on CPU tensors
-and each launch only compiles. Speed is not measured here.
+Shared memory is what a launch asks for (a kernel over the GPU's limit, 227 KiB a block on sm_90
+and 163 KiB on sm_80, fails to launch and triton_launch.launch retries it with a stage fewer);
+registers and stack (spilled registers) are ptxas's. `--ptx` of two commits, diffed, shows whether a
+change to a kernel's source changed its code. Needs the triton package (on a CPU machine: `make
+install` puts it in build/triton-interp; run with PYTHONPATH=build/triton-interp:src). Nothing runs
+on a GPU: the ops are called on CPU tensors and each launch only compiles. Speed is not measured here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ DRAFTERS = [
 ]
 # Target attention shapes: (name, query heads, KV heads, head_dim).
 TARGETS = [
-    ("qwen3_8b", 32, 8, 128),
+    ("qwen3_8b", 32, 8, 128),  # also qwen3_4b and llama3_1_8b_instruct
+    ("llama3_3_70b", 64, 8, 128),
+    ("qwen3_235b_a22b", 64, 4, 128),
     ("qwen3_5_27b", 24, 4, 256),
     ("head_dim_64", 16, 8, 64),
 ]
@@ -90,9 +93,13 @@ def compile_all(arch: int = 90) -> list[dict]:
 
     rows: list[dict] = []
     case = {"name": ""}
+    caches: dict = {}  # kernel -> its per-device caches before this run (they hold the target compiled for)
 
     def compile_launch(self, grid):
         def run(*args, **kwargs):
+            if self not in caches:
+                caches[self] = dict(self.device_caches)
+                self.device_caches.clear()
             kernel = self.warmup(*args, grid=grid, **kwargs)
             meta = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, str))}
             rows.append({"case": case["name"], "kernel": self.fn.__name__, "meta": meta,
@@ -110,6 +117,9 @@ def compile_all(arch: int = 90) -> list[dict]:
     finally:
         JITFunction.__getitem__ = saved
         driver._active = active
+        for kernel, cache in caches.items():  # nothing compiled here for `arch` is launched later
+            kernel.device_caches.clear()
+            kernel.device_caches.update(cache)
     return rows
 
 
@@ -119,24 +129,25 @@ def _cases():
 
     for name, hq, hkv, d, b, window in DRAFTERS:
         for tma in (True, False):
-            def drafter(hq=hq, hkv=hkv, d=d, b=b, window=window, tma=tma):
-                block_attn.USE_TMA = tma
-                try:
-                    _drafter_attention(hq, hkv, d, b, window)
-                finally:
-                    block_attn.USE_TMA = None
-            yield f"drafter {name}{'' if tma else ' pointers'}", drafter
+            yield (f"drafter {name}{'' if tma else ' pointers'}",
+                   lambda hq=hq, hkv=hkv, d=d, b=b, window=window, tma=tma:
+                   _with_tma(block_attn, tma, lambda: _drafter_attention(hq, hkv, d, b, window)))
     for name, hq, hkv, d in TARGETS:
         for tma in (True, False):
-            def target(hq=hq, hkv=hkv, d=d, tma=tma):
-                doc_attn.USE_TMA = tma
-                try:
-                    _target_attention(hq, hkv, d)
-                finally:
-                    doc_attn.USE_TMA = None
-            yield f"target {name}{'' if tma else ' pointers'}", target
+            yield (f"target {name}{'' if tma else ' pointers'}",
+                   lambda hq=hq, hkv=hkv, d=d, tma=tma:
+                   _with_tma(doc_attn, tma, lambda: _target_attention(hq, hkv, d)))
     for name, vocab in VOCABS:
         yield f"loss {name}", lambda vocab=vocab: _loss(vocab)
+
+
+def _with_tma(module, tma: bool, fn) -> None:
+    """`fn()` with `module.USE_TMA` forced to `tma`, then as it was."""
+    before, module.USE_TMA = module.USE_TMA, tma
+    try:
+        fn()
+    finally:
+        module.USE_TMA = before
 
 
 def _drafter_attention(hq: int, hkv: int, d: int, b: int, window: int | None) -> None:
@@ -173,7 +184,8 @@ def _loss(vocab: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90,
-                    help="compute capability x 10 (90: H100/H200; 80: A100, whose kernels load through pointers)")
+                    help="compute capability x 10 (90: H100/H200; 80: A100, whose kernels load through "
+                         "pointers)")
     ap.add_argument("--json", help="write the rows (without PTX) here")
     ap.add_argument("--ptx", help="write each kernel's stripped PTX into this directory")
     a = ap.parse_args()

@@ -18,8 +18,8 @@ default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`,
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
-Triton templates, with the SwiGLU and norms fused as epilogues where a template wins; the pointwise
-configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
+Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
+template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
 (triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
 forward's time (`warmup_ms[0]`) holds the autotuning.
 Every truncated variant's captured hidden states are compared with the first truncated variant's.

@@ -162,14 +162,14 @@ def _signal_and_time(call: str, timeout: float = 30.0):
     code = f"import sys; sys.path.insert(0, {here!r}); import test_resilience as t; t.{call}"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
     try:
-        rc = proc.wait(timeout=timeout)
+        assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=timeout)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=timeout)  # reads as it waits: a chatty child never blocks
+        return proc.returncode, out, err, time.monotonic() - t0
     finally:
         proc.kill()
-    return rc, proc.stdout.read(), proc.stderr.read(), time.monotonic() - t0
 
 
 def test_sigterm_watchdog_ends_a_stuck_rank_after_the_grace_period():
@@ -256,7 +256,7 @@ def test_a_clean_exit_does_not_wait_long_on_peers_it_cannot_reach():
                                           timeout=20)
     assert rc == 0 and 1.0 + CLEAN_EXIT_HOOK_S <= took < 4.0 + CLEAN_EXIT_HOOK_S, (rc, took, err)
     assert "telling the peers" in out and "done, told" not in out, out
-    assert "tell did not return within 3 s" in err, err
+    assert f"tell did not return within {CLEAN_EXIT_HOOK_S:.0f} s" in err, err
 
 
 def test_a_rank_outlives_its_grace_while_a_peer_writes_its_checkpoint():

@@ -259,9 +259,10 @@ def _ask(hook: Callable, default, within_s: float | None = None):
                              daemon=True)
         t.start()
         t.join(within_s)
-        if not got:
+        if t.is_alive():
             log.warning("stop watchdog: %s did not return within %.0f s; going on without it", name, within_s)
-        return got[0] if got else default
+            return default
+        return got[0]
     try:
         return hook()
     except Exception as e:  # noqa: BLE001 - the watchdog must outlive a hook's bug
