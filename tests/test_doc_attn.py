@@ -85,22 +85,40 @@ def test_the_choice_of_the_kernel():
     assert "flash" not in ATTN_NAME  # transformers reads any "...flash..." name as flash attention
     assert unsupported(128, torch.bfloat16) is None and unsupported(256, torch.bfloat16) is None
     assert "head_dim=80" in unsupported(80, torch.bfloat16)
+    # The GPU's shared memory a block (bytes): the H200 and the A100 run every head_dim; a 99 KiB GPU
+    # (L40S, A10, RTX) all but 256, whose tiles ask for 100 KiB there (bench/kernel_resources.py).
+    for have in (232448, 166912):
+        assert all(unsupported(d, torch.bfloat16, have) is None for d in (64, 128, 256))
+    assert all(unsupported(d, torch.bfloat16, 101376) is None for d in (64, 128))
+    assert "99 KiB of shared memory" in unsupported(256, torch.bfloat16, 101376)
 
 
-def test_auto_falls_back_where_the_kernel_has_no_tiles(caplog):
-    """A target whose head_dim the kernel has no tiles for runs `auto` on flex_attention (sdpa where
-    transformers has no flex for the class), logged; the loaded model's config decides."""
+def test_auto_falls_back_where_the_kernel_has_no_tiles(caplog, monkeypatch):
+    """A target whose head_dim the kernel has no tiles for, or whose tiles do not fit the GPU's shared
+    memory, runs `auto` on flex_attention (sdpa where transformers has no flex for the class), logged;
+    the loaded model's config and the GPU decide."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
+    from dflash_mp.target import worker
     from dflash_mp.target.worker import triton_or_fallback
 
+    cpu = torch.device("cpu")
     odd = Qwen3Config(hidden_size=320, num_attention_heads=4, head_dim=80)
     with caplog.at_level("INFO"):
-        assert triton_or_fallback(odd, Qwen3ForCausalLM, torch.bfloat16) == "flex_attention"
+        assert triton_or_fallback(odd, Qwen3ForCausalLM, torch.bfloat16, cpu) == "flex_attention"
     assert "head_dim=80" in caplog.text
-    assert triton_or_fallback(odd, Qwen3_5ForCausalLM, torch.bfloat16) == "sdpa"
-    assert triton_or_fallback(Qwen3Config(head_dim=128), Qwen3ForCausalLM, torch.bfloat16) == "triton"
+    assert triton_or_fallback(odd, Qwen3_5ForCausalLM, torch.bfloat16, cpu) == "sdpa"
+    assert triton_or_fallback(Qwen3Config(head_dim=128), Qwen3ForCausalLM, torch.bfloat16, cpu) == "triton"
+    # On a GPU with 99 KiB a block (what triton_launch.shared_memory reads from Triton there), the
+    # 27B's head_dim 256 runs on the fallback and head_dim 128 keeps the kernel.
+    monkeypatch.setattr(worker, "shared_memory", lambda device: 101376)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        big = triton_or_fallback(Qwen3Config(head_dim=256), Qwen3_5ForCausalLM, torch.bfloat16, cpu)
+    assert big == "sdpa"
+    assert "99 KiB of shared memory" in caplog.text
+    assert triton_or_fallback(Qwen3Config(head_dim=128), Qwen3ForCausalLM, torch.bfloat16, cpu) == "triton"
 
 
 def test_the_kernel_asked_for_on_cpu_is_refused_at_load(tmp_path):

@@ -30,6 +30,34 @@ def has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache
+def shared_memory(device: torch.device) -> int | None:
+    """The bytes of shared memory a block may use on CUDA `device` (what Triton checks a launch against:
+    227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89/sm_120); None off CUDA or where Triton
+    cannot tell (the kernels are then taken to fit, as before this check)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        from triton.runtime import driver
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception as e:  # noqa: BLE001 - a missing property must not stop a job the kernels may fit
+        log.warning("could not read the shared memory of %s from Triton (%s: %s); taking the kernels to "
+                    "fit", device, type(e).__name__, e)
+        return None
+
+
+def too_small(have: int | None, need: int, what: str) -> str | None:
+    """Why a GPU with `have` bytes of shared memory a block cannot run kernels that ask for up to `need`
+    (None: it can, or `have` is unknown)."""
+    if have is None or have >= need:
+        return None
+    return (f"a GPU with {have // 1024} KiB of shared memory a block ({what} ask for up to "
+            f"{need // 1024} KiB with their tiles, measured on an H200; bench/kernel_resources.py)")
+
+
 def use_tma(flag: bool | None, *xs: torch.Tensor) -> bool:
     """Whether a kernel loads `xs`' tiles through tensor descriptors. `flag`, a module's USE_TMA: True or
     False forces the choice, None takes descriptors where the device has TMA; descriptors only where the

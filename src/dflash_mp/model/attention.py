@@ -16,6 +16,7 @@ int in the closure would become a Dynamo guard and recompile every step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +28,8 @@ from dflash_mp.block_mask import build_block_mask, compiled_once
 from dflash_mp.model.block_attn import BlockSpans, block_attention, block_spans
 from dflash_mp.model.block_attn import available as block_kernels_available
 from dflash_mp.options import resolve_auto
+
+log = logging.getLogger(__name__)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -94,6 +97,9 @@ def resolve_backend(backend: str, device: torch.device | str, triton_unsupported
         return backend  # resolved and checked before the compile (DFlashObjective)
     device = torch.device(device)
     if backend == "auto" and device.type == "cuda":
+        if triton_unsupported is not None:
+            log.info("drafter attention: flex_attention; the Triton block kernels cannot run %s",
+                     triton_unsupported)
         return "triton" if triton_unsupported is None and block_kernels_available(device) else "flex"
     resolved = resolve_auto("drafter.attention", backend, device, cuda="flex", cpu="dense", allowed=BACKENDS[1:])
     if resolved == "triton":

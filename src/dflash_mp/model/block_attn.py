@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batch import document_starts
-from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch
+from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch, too_small
 
 # Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
 # walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
@@ -52,6 +52,11 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
+# The most shared memory a block kernel asks for at the presets' shapes, with TILES, on a GPU without
+# TMA (where fewer stages do not lower it): 131,072 B for dQ, 132,116 B for the 70B drafter's dK/dV
+# (sm_80, bench/kernel_resources.py; tests/test_kernel_resources.py holds this bound to those figures).
+# GPUs with less (99 KiB a block: sm_86, sm_89, sm_120) run flex_attention under `auto`.
+SHARED_BYTES = 136 * 1024
 MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
 # has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and
@@ -64,8 +69,10 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
-    """Why these shapes cannot run the kernels (None: they can)."""
+def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                shared_bytes: int | None = None) -> str | None:
+    """Why these shapes cannot run the kernels (None: they can); `shared_bytes`: the GPU's shared memory
+    a block may use (triton_launch.shared_memory), None when not known."""
     rows = _next_pow2(num_heads // num_kv_heads * block_size)
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size={block_size} (the kernels need a power of two >= 16)"
@@ -74,7 +81,7 @@ def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: in
     if rows > MAX_ROWS:
         return (f"{num_heads // num_kv_heads} query heads per KV head x block_size {block_size} = {rows} rows "
                 f"> {MAX_ROWS}")
-    return None
+    return too_small(shared_bytes, SHARED_BYTES, "the block kernels")
 
 
 def blocks_per_program(want: int, rows: int) -> int:

@@ -23,6 +23,7 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
+from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
 # whose frequencies depend on the runtime sequence length (dynamic, longrope) are left out: training
@@ -271,8 +272,12 @@ class DFlashDrafter(nn.Module):
 
     def attention_backend(self, backend: str, device: torch.device | str) -> str:
         """`drafter.attention` resolved for this drafter's shapes on `device` (attention.resolve_backend)."""
+        if torch.compiler.is_compiling():  # resolved and checked before the compile (DFlashObjective)
+            return resolve_backend(backend, device)
         a = self.args
-        return resolve_backend(backend, device, unsupported(a.num_heads, a.num_kv_heads, a.head_dim, a.block_size))
+        why = unsupported(a.num_heads, a.num_kv_heads, a.head_dim, a.block_size,
+                          shared_memory(torch.device(device)))
+        return resolve_backend(backend, device, why)
 
     def build_attention(
         self,
