@@ -35,6 +35,8 @@ DRAFTERS = [
     ("qwen3_8b", 32, 8, 128, 16, None),  # also qwen3_4b and llama3_1_8b_instruct
     ("qwen3_5_27b_sliding", 32, 8, 128, 16, 2048),
     ("llama3_3_70b", 64, 8, 128, 16, None),  # 8 query heads a KV head: one block a program
+    ("head_dim_64", 32, 8, 64, 16, None),  # a drafter of a head_dim-64 target
+    ("head_dim_64_g8", 64, 8, 64, 16, None),
 ]
 # Target attention shapes: (name, query heads, KV heads, head_dim).
 TARGETS = [

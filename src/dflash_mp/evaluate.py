@@ -154,6 +154,7 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     weights = slot_weights(b, job.drafter.gamma or DEFAULT_GAMMA.get(b, 4.0), device=device)  # loss only
     stats = IntervalStats(b, device)
     path_blocks: list[int] = []
+    backend = drafter.attention_backend(job.drafter.attention, device)  # once: a fallback is logged once
     it = iter(stream)
     for _ in range(num_batches):
         hb = worker.forward(next(it)).to(device, copy=True)
@@ -165,7 +166,7 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
             valid = torch.arange(chunk, device=device) < n
             labels, label_mask = block_labels(hb.input_ids, hb.loss_mask, hb.doc_ids, anchors, valid, b)
             block_ids, block_pos = build_blocks(hb.input_ids, hb.position_ids, anchors, b, args.mask_token_id)
-            attn = drafter.build_attention(anchors, valid, hb.doc_ids, backend=job.drafter.attention)
+            attn = drafter.build_attention(anchors, valid, hb.doc_ids, backend=backend)
             out = drafter(hb.hidden, F.embedding(block_ids, embed).to(hb.hidden.dtype), hb.position_ids, block_pos,
                           attn)
             loss, correct = dflash_loss(out, head, labels, label_mask, weights, job.drafter.loss_chunk_size)

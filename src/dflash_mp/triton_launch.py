@@ -31,12 +31,14 @@ def has_tma(device: torch.device) -> bool:
 
 
 @functools.cache
-def shared_memory(device: torch.device) -> int | None:
-    """The bytes of shared memory a block may use on CUDA `device` (what Triton checks a launch against:
-    227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89/sm_120); None off CUDA or where Triton
-    cannot tell (the kernels are then taken to fit, as before this check)."""
+def shared_memory_without_tma(device: torch.device) -> int | None:
+    """The bytes of shared memory a block may use on a CUDA `device` without TMA (before sm_90: 163 KiB on
+    sm_80, 99 KiB on sm_86/sm_89), read from Triton (the figure it checks a launch against). There the
+    kernels ask for the same at any stage count, which bench/kernel_resources.py compiles on CPU; on
+    GPUs with TMA a launch drops stages where it must (untested below the H200's 227 KiB). None off
+    CUDA, with TMA, or where Triton cannot tell: the kernels are then taken to fit, as before."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or has_tma(device):
         return None
     try:
         from triton.runtime import driver
@@ -50,12 +52,12 @@ def shared_memory(device: torch.device) -> int | None:
 
 
 def too_small(have: int | None, need: int, what: str) -> str | None:
-    """Why a GPU with `have` bytes of shared memory a block cannot run kernels that ask for up to `need`
+    """Why a GPU with `have` bytes of shared memory a block cannot run kernels that need about `need`
     (None: it can, or `have` is unknown)."""
     if have is None or have >= need:
         return None
-    return (f"a GPU with {have // 1024} KiB of shared memory a block ({what} ask for up to "
-            f"{need // 1024} KiB with their tiles, measured on an H200; bench/kernel_resources.py)")
+    return (f"a GPU with {have // 1024} KiB of shared memory a block: {what} need about {need // 1024} KiB "
+            "without TMA (bench/kernel_resources.py)")
 
 
 def use_tma(flag: bool | None, *xs: torch.Tensor) -> bool:

@@ -52,11 +52,12 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
-# The most shared memory a block kernel asks for at the presets' shapes, with TILES, on a GPU without
-# TMA (where fewer stages do not lower it): 131,072 B for dQ, 132,116 B for the 70B drafter's dK/dV
-# (sm_80, bench/kernel_resources.py; tests/test_kernel_resources.py holds this bound to those figures).
-# GPUs with less (99 KiB a block: sm_86, sm_89, sm_120) run flex_attention under `auto`.
-SHARED_BYTES = 136 * 1024
+# The most shared memory a block kernel asks for with TILES on a GPU without TMA (where fewer stages do
+# not lower it), by head_dim (16 and 32 as 64), rounded up: 77,824 B (64: dQ) and 132,116 B (128: the 70B
+# drafter's dK/dV) on sm_80 (bench/kernel_resources.py; tests/test_kernel_resources.py holds these bounds
+# to those figures). A GPU with 99 KiB a block (sm_86, sm_89) runs head_dim 128 on flex_attention under
+# `auto`. At head_dim 256 the tiles ask for 263-460 KB even on the H200 (any stage count): refused.
+SHARED_BYTES = {64: 80 * 1024, 128: 136 * 1024}
 MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
 # has the copy engine for them (sm_90 and later) and the layout allows (16-byte aligned base and
@@ -72,16 +73,17 @@ def _next_pow2(n: int) -> int:
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 shared_bytes: int | None = None) -> str | None:
     """Why these shapes cannot run the kernels (None: they can); `shared_bytes`: the GPU's shared memory
-    a block may use (triton_launch.shared_memory), None when not known."""
+    a block may use (triton_launch.shared_memory_without_tma), None when not known."""
     rows = _next_pow2(num_heads // num_kv_heads * block_size)
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size={block_size} (the kernels need a power of two >= 16)"
-    if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256:
-        return f"head_dim={head_dim} (the kernels need a power of two in [16, 256])"
+    if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 128:
+        return (f"head_dim={head_dim} (the kernels need a power of two in [16, 128]; at 256 their tiles "
+                "ask for more shared memory than a GPU has)")
     if rows > MAX_ROWS:
         return (f"{num_heads // num_kv_heads} query heads per KV head x block_size {block_size} = {rows} rows "
                 f"> {MAX_ROWS}")
-    return too_small(shared_bytes, SHARED_BYTES, "the block kernels")
+    return too_small(shared_bytes, SHARED_BYTES[max(64, head_dim)], f"their head_dim={head_dim} tiles")
 
 
 def blocks_per_program(want: int, rows: int) -> int:

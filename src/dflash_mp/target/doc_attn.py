@@ -48,7 +48,7 @@ USE_TMA: bool | None = None
 
 def unsupported(head_dim: int, dtype: torch.dtype, shared_bytes: int | None = None) -> str | None:
     """Why a target with these shapes cannot run the kernel (None: it can); `shared_bytes`: the GPU's
-    shared memory a block may use (triton_launch.shared_memory), None when not known."""
+    shared memory a block may use (triton_launch.shared_memory_without_tma), None when not known."""
     if head_dim not in TILES:
         return f"head_dim={head_dim} (the kernel has tiles for {', '.join(map(str, TILES))})"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
