@@ -27,8 +27,8 @@ import tempfile
 
 import torch
 
-# Bytes of shared memory a block may use: sm_90 (H100/H200) 227 KiB, sm_80 (A100) 163 KiB.
-SHARED_LIMIT = {90: 232448, 80: 166912}
+# Bytes of shared memory a block may use: sm_90 (H100/H200) 227 KiB, sm_80 (A100) 163 KiB, sm_120 99 KiB.
+SHARED_LIMIT = {90: 232448, 80: 166912, 120: 101376}
 
 # Drafter attention shapes of the presets: (name, query heads, KV heads, head_dim, block size, window).
 DRAFTERS = [

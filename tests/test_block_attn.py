@@ -114,13 +114,13 @@ def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blo
 
 
 def test_a_drafter_on_a_gpu_the_kernels_do_not_fit_runs_flex_and_says_why(monkeypatch, caplog):
-    """`auto` asks a GPU without TMA for its shared memory (triton_launch.shared_memory_without_tma, read
-    from Triton): on a 99 KiB GPU the drafter runs flex_attention and the log says why."""
+    """`auto` asks the GPU for its shared memory (triton_launch.shared_memory, read from Triton): on a
+    99 KiB GPU the drafter runs flex_attention and the log says why."""
     from dflash_mp.model import drafter as drafter_module
     from dflash_mp.model.drafter import DFlashDrafter
     from drafter_utils import tiny_args
 
-    monkeypatch.setattr(drafter_module, "shared_memory_without_tma", lambda device: 101376)
+    monkeypatch.setattr(drafter_module, "shared_memory", lambda device: 101376)
     with caplog.at_level("INFO"):
         backend = DFlashDrafter(tiny_args(block_size=16, head_dim=128)).attention_backend("auto", "cuda")
     assert backend == "flex"
@@ -133,7 +133,7 @@ def test_shapes_the_kernels_refuse_are_named_with_the_fix():
     assert "head_dim=96" in unsupported(32, 8, 96, 16)
     assert "256 rows" in unsupported(64, 4, 128, 16)
     # The GPU's shared memory a block (bytes): the H200 and the A100 run them; a 99 KiB GPU (L40S, A10,
-    # RTX 30/40) cannot at head_dim 128 (dQ asks for 128 KiB there, bench/kernel_resources.py), and `auto`
+    # RTX 30-50) cannot at head_dim 128 (dQ asks for 128 KiB there, bench/kernel_resources.py), and `auto`
     # runs flex on it.
     assert unsupported(32, 8, 128, 16, 232448) is None and unsupported(64, 8, 128, 16, 166912) is None
     small = unsupported(32, 8, 128, 16, 101376)

@@ -110,9 +110,9 @@ def test_auto_falls_back_where_the_kernel_has_no_tiles(caplog, monkeypatch):
     assert "head_dim=80" in caplog.text
     assert triton_or_fallback(odd, Qwen3_5ForCausalLM, torch.bfloat16, cpu) == "sdpa"
     assert triton_or_fallback(Qwen3Config(head_dim=128), Qwen3ForCausalLM, torch.bfloat16, cpu) == "triton"
-    # On a GPU with 99 KiB a block (what triton_launch.shared_memory_without_tma reads from Triton on an
-    # sm_86 or sm_89), the 27B's head_dim 256 runs on the fallback and head_dim 128 keeps the kernel.
-    monkeypatch.setattr(worker, "shared_memory_without_tma", lambda device: 101376)
+    # On a GPU with 99 KiB a block (what triton_launch.shared_memory reads from Triton on an sm_86,
+    # sm_89 or sm_120), the 27B's head_dim 256 runs on the fallback and head_dim 128 keeps the kernel.
+    monkeypatch.setattr(worker, "shared_memory", lambda device: 101376)
     caplog.clear()
     with caplog.at_level("INFO"):
         big = triton_or_fallback(Qwen3Config(head_dim=256), Qwen3_5ForCausalLM, torch.bfloat16, cpu)
@@ -128,7 +128,7 @@ def test_the_kernel_asked_for_on_a_gpu_it_does_not_fit_is_refused_naming_the_fix
 
     model = tiny_qwen3("cpu", torch.float32, head_dim=256)
     model.config._attn_implementation = "triton"
-    monkeypatch.setattr(worker, "shared_memory_without_tma", lambda device: 101376)
+    monkeypatch.setattr(worker, "shared_memory", lambda device: 101376)
     with pytest.raises(ValueError, match="99 KiB of shared memory.*target.attn_implementation=auto, flex"):
         TargetWorker(model, [1, 3], torch.device("cpu"))
 

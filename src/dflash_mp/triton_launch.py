@@ -31,14 +31,14 @@ def has_tma(device: torch.device) -> bool:
 
 
 @functools.cache
-def shared_memory_without_tma(device: torch.device) -> int | None:
-    """The bytes of shared memory a block may use on a CUDA `device` without TMA (before sm_90: 163 KiB on
-    sm_80, 99 KiB on sm_86/sm_89), read from Triton (the figure it checks a launch against). There the
-    kernels ask for the same at any stage count, which bench/kernel_resources.py compiles on CPU; on
-    GPUs with TMA a launch drops stages where it must (untested below the H200's 227 KiB). None off
-    CUDA, with TMA, or where Triton cannot tell: the kernels are then taken to fit, as before."""
+def shared_memory(device: torch.device) -> int | None:
+    """The bytes of shared memory a block may use on CUDA `device`, read from Triton (the figure it checks
+    a launch against): 227 KiB on sm_90 and sm_100, 163 KiB on sm_80, 99 KiB on sm_86, sm_89 and sm_120.
+    The kernels' bounds (block_attn / doc_attn SHARED_BYTES) are what they ask for on sm_80 and sm_120
+    at any stage count, compiled on CPU (bench/kernel_resources.py); the 227 KiB GPUs run every preset.
+    None off CUDA or where Triton cannot tell: the kernels are then taken to fit, as before."""
     device = torch.device(device)
-    if device.type != "cuda" or has_tma(device):
+    if device.type != "cuda":
         return None
     try:
         from triton.runtime import driver
@@ -57,7 +57,7 @@ def too_small(have: int | None, need: int, what: str) -> str | None:
     if have is None or have >= need:
         return None
     return (f"a GPU with {have // 1024} KiB of shared memory a block: {what} need about {need // 1024} KiB "
-            "without TMA (bench/kernel_resources.py)")
+            "there (bench/kernel_resources.py)")
 
 
 def use_tma(flag: bool | None, *xs: torch.Tensor) -> bool:

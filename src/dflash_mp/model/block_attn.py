@@ -52,11 +52,12 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
-# The most shared memory a block kernel asks for with TILES on a GPU without TMA (where fewer stages do
-# not lower it), by head_dim (16 and 32 as 64), rounded up: 77,824 B (64: dQ) and 132,116 B (128: the 70B
-# drafter's dK/dV) on sm_80 (bench/kernel_resources.py; tests/test_kernel_resources.py holds these bounds
-# to those figures). A GPU with 99 KiB a block (sm_86, sm_89) runs head_dim 128 on flex_attention under
-# `auto`. At head_dim 256 the tiles ask for 263-460 KB even on the H200 (any stage count): refused.
+# The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,
+# sm_120; fewer stages do not lower it there), by head_dim (16 and 32 as 64), rounded up: 77,824 B (64:
+# dQ) and 132,116 B (128: the 70B drafter's dK/dV) (bench/kernel_resources.py; tests/test_kernel_resources.py
+# holds these bounds to those figures). A GPU with 99 KiB a block (sm_86, sm_89, sm_120) runs head_dim 128
+# on flex_attention under `auto`. At head_dim 256 the tiles ask for 263-460 KB even on the H200 (any stage
+# count): refused.
 SHARED_BYTES = {64: 80 * 1024, 128: 136 * 1024}
 MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the tile would not fit in registers
 # The forward's and dQ's context key/value tiles loaded through tensor descriptors (TMA), where the GPU
@@ -73,7 +74,7 @@ def _next_pow2(n: int) -> int:
 def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 shared_bytes: int | None = None) -> str | None:
     """Why these shapes cannot run the kernels (None: they can); `shared_bytes`: the GPU's shared memory
-    a block may use (triton_launch.shared_memory_without_tma), None when not known."""
+    a block may use (triton_launch.shared_memory), None when not known."""
     rows = _next_pow2(num_heads // num_kv_heads * block_size)
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size={block_size} (the kernels need a power of two >= 16)"

@@ -23,7 +23,7 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
-from dflash_mp.triton_launch import shared_memory_without_tma
+from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
 # whose frequencies depend on the runtime sequence length (dynamic, longrope) are left out: training
@@ -276,7 +276,7 @@ class DFlashDrafter(nn.Module):
             return resolve_backend(backend, device)
         a = self.args
         why = unsupported(a.num_heads, a.num_kv_heads, a.head_dim, a.block_size,
-                          shared_memory_without_tma(torch.device(device)))
+                          shared_memory(torch.device(device)))
         return resolve_backend(backend, device, why)
 
     def build_attention(

@@ -35,9 +35,10 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # the 8B forward (67.66 / 67.22 against 67.05 / 67.56 ms, interleaved); tried in commit 4e8e445, not kept.
 # 64 and 256 follow from it, unmeasured.
 TILES = {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 3)}
-# The shared memory the kernel asks for with TILES on a GPU without TMA, rounded up: 24,576 / 53,248 /
-# 102,400 B (sm_80, bench/kernel_resources.py; tests/test_kernel_resources.py holds these bounds to
-# those figures). A GPU with 99 KiB a block (sm_86, sm_89, sm_120) runs head_dim 256 on the fallback.
+# The shared memory the kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80, sm_120),
+# rounded up: 24,576 / 53,248 / 102,400 B (bench/kernel_resources.py; tests/test_kernel_resources.py holds
+# these bounds to those figures). A GPU with 99 KiB a block (sm_86, sm_89, sm_120) runs head_dim 256 on the
+# fallback.
 SHARED_BYTES = {64: 32 * 1024, 128: 64 * 1024, 256: 104 * 1024}
 ATTN_NAME = "packed_triton_doc_attention"  # its name among transformers' attention functions (no "flash")
 # Key/value tiles loaded through tensor descriptors (TMA), where the GPU has the copy engine for them
@@ -48,7 +49,7 @@ USE_TMA: bool | None = None
 
 def unsupported(head_dim: int, dtype: torch.dtype, shared_bytes: int | None = None) -> str | None:
     """Why a target with these shapes cannot run the kernel (None: it can); `shared_bytes`: the GPU's
-    shared memory a block may use (triton_launch.shared_memory_without_tma), None when not known."""
+    shared memory a block may use (triton_launch.shared_memory), None when not known."""
     if head_dim not in TILES:
         return f"head_dim={head_dim} (the kernel has tiles for {', '.join(map(str, TILES))})"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):

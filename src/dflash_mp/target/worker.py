@@ -16,7 +16,7 @@ from torch import nn
 
 from ..batch import HiddenBatch, PackedBatch
 from ..cuda_graph import describe_state
-from ..triton_launch import shared_memory_without_tma
+from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
 from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
 from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
@@ -77,7 +77,7 @@ def head_dim_of(config) -> int:
 def triton_or_fallback(config, model_cls: type, dtype: torch.dtype, device: torch.device) -> str:
     """`auto` on CUDA: the Triton kernel where the loaded target's shapes and the GPU suit it, else the
     fallback, logged."""
-    why = unsupported(head_dim_of(config), dtype, shared_memory_without_tma(device))
+    why = unsupported(head_dim_of(config), dtype, shared_memory(device))
     if why is None:
         return "triton"
     fallback = fallback_attention(model_cls)
@@ -146,7 +146,7 @@ class TargetWorker:
         self.triton = attn in ("triton", DOC_ATTENTION)
         if self.triton:
             why = unsupported(self.head_dim, self.dtype,
-                              shared_memory_without_tma(torch.device(device)))
+                              shared_memory(torch.device(device)))
             if why:
                 raise ValueError(f"target.attn_implementation=triton: the kernel cannot run {type(model).__name__} "
                                  f"({why}): use target.attn_implementation=auto, flex_attention or sdpa.")
