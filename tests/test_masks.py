@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from dflash_mp.block_mask import build_block_mask
+from dflash_mp.block_mask import build_block_mask, mask_grid
 from dflash_mp.model.attention import BlockAttention, build_block_attention, make_mask_mod
 
 
@@ -74,6 +74,8 @@ def test_mask_mod_matches_naive_reference(B, window, seed):
     dense = create_mask(mask_mod, 1, 1, Q, T + Q, "cpu")[0, 0]
     ref = naive_mask(anchors, valid, doc_ids, B, window)
     assert torch.equal(dense, ref)
+    # The dense backend's grid (one broadcast evaluation) is create_mask's vmapped one.
+    assert torch.equal(mask_grid(mask_mod, Q, T + Q, "cpu"), ref)
     # Every query row sees at least its own slot 0, so no softmax row is empty.
     assert dense.any(dim=1).all()
     if window is not None and window < B:

@@ -34,15 +34,22 @@ def compiled_once(name: str, fn: Callable) -> Callable:
     return _compiled[name]
 
 
-def tile_counts(mask_mod: MaskMod, q_len: int, kv_len: int, q_block: int, kv_block: int,
-                device: torch.device | str) -> torch.Tensor:
-    """`[ceil(Q/q_block), ceil(KV/kv_block)]` int32: how many (query, key) pairs of each tile the
-    mask lets through. The mask_mod sees broadcast index tensors (`[Q, 1]` queries, `[1, KV]` keys)
-    and batch/head index 0, as every mask here ignores batch and head."""
+def mask_grid(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
+    """`[Q, KV]` bool: the mask_mod evaluated once on broadcast index tensors (`[Q, 1]` queries, `[1, KV]`
+    keys) and batch/head index 0, as every mask here ignores batch and head. What `create_mask` gives
+    (tests/test_masks.py), without its per-element vmap and without importing Dynamo, which
+    create_mask does (a second of start-up for a drafter rank that runs eager on CPU)."""
     zero = torch.zeros((), dtype=torch.long, device=device)
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]
-    seen = mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
+    return mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
+
+
+def tile_counts(mask_mod: MaskMod, q_len: int, kv_len: int, q_block: int, kv_block: int,
+                device: torch.device | str) -> torch.Tensor:
+    """`[ceil(Q/q_block), ceil(KV/kv_block)]` int32: how many (query, key) pairs of each tile the
+    mask lets through (`mask_grid`, summed per tile)."""
+    seen = mask_grid(mask_mod, q_len, kv_len, device)
     # Ragged ends: padding rows and columns see nothing, so a ragged tile is never full.
     seen = F.pad(seen, (0, -kv_len % kv_block, 0, -q_len % q_block))
     qp, kvp = seen.shape

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections import Counter, defaultdict
+
+import torch
+
 _RECORDS = [0]
 _INSTALLED = [False]
 _MISMATCHES: dict[str, int] = {}
@@ -13,6 +18,8 @@ def _install() -> None:
     if _INSTALLED[0]:
         return
     _INSTALLED[0] = True
+    if not torch.cuda.is_available():
+        return  # nothing can record: 0, without importing CUDAGraph Trees (half a second of start-up)
     try:
         from torch._inductor import cudagraph_trees as cgt
 
@@ -37,6 +44,16 @@ def _install() -> None:
         _RECORDS[0] = -1
 
 
+def _counters() -> defaultdict:
+    """Dynamo's counters; all zero where Dynamo was never imported (nothing compiled: a drafter rank
+    running eager on CPU need not import it, a second of its start-up, to read zeros)."""
+    if "torch._dynamo" not in sys.modules:
+        return defaultdict(Counter)
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def graph_mismatches() -> dict[str, int]:
     """Why recorded CUDA graphs could not be replayed so far ({reason: times}): each such miss is
     followed by a new recording. Private API: {} if it moved."""
@@ -46,8 +63,7 @@ def graph_mismatches() -> dict[str, int]:
 
 def counts() -> dict[str, int]:
     """{"graphs": Dynamo graphs compiled so far, "cudagraph_records": CUDA graphs recorded so far}."""
-    from torch._dynamo.utils import counters
-
+    counters = _counters()
     _install()
     return {"graphs": int(counters["stats"]["unique_graphs"]), "cudagraph_records": _RECORDS[0]}
 
@@ -56,8 +72,7 @@ def cache_counts() -> dict[str, int]:
     """Inductor's FX graph cache and AOTAutograd's cache so far: {"fx_hit", "fx_miss", "fx_bypass",
     "aot_hit", "aot_miss", "aot_bypass", "aot_saved"} (a miss is a graph compiled here; a hit one
     looked up, e.g. in loaded artifacts; a bypass one the cache cannot hold)."""
-    from torch._dynamo.utils import counters
-
+    counters = _counters()
     ind, aot = counters["inductor"], counters["aot_autograd"]
     return {"fx_hit": int(ind["fxgraph_cache_hit"]), "fx_miss": int(ind["fxgraph_cache_miss"]),
             "fx_bypass": int(ind["fxgraph_cache_bypass"]), "aot_hit": int(aot["autograd_cache_hit"]),

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -305,12 +306,10 @@ def quiet_console(show_bars: bool) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        try:
-            import datasets
-
-            datasets.disable_progress_bars()
-        except ImportError:
-            pass
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
+        else:  # read when a rank that loads data imports it; the others never pay its import (half a second)
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 class Progress:

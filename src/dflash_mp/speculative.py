@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .block_mask import mask_grid
 from .model import FULL_ATTENTION, SLIDING_ATTENTION, BlockAttention, DFlashDrafter, DrafterArgs, make_mask_mod
 
 
@@ -147,13 +148,10 @@ def inference_attention(args: DrafterArgs, start: int, block_size: int, device) 
     anchors = torch.tensor([start], device=device)
     valid = torch.ones(1, dtype=torch.bool, device=device)
     doc_ids = torch.zeros(start + 1, dtype=torch.long, device=device)
-    q = torch.arange(block_size, device=device)[:, None]
-    kv = torch.arange(start + 1 + block_size, device=device)[None, :]
-    zero = torch.zeros((), dtype=torch.long, device=device)
 
     def dense(window):
         mod = make_mask_mod(anchors, valid, doc_ids, start + 1, block_size, window)
-        return mod(zero, zero, q, kv)[None, None]
+        return mask_grid(mod, block_size, start + 1 + block_size, device)[None, None]
 
     kinds = set(args.resolved_layer_types)
     return BlockAttention(backend="dense", full=dense(None) if FULL_ATTENTION in kinds else None,

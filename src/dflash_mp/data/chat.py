@@ -30,12 +30,12 @@ import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-import datasets
 import jinja2
 import pyarrow as pa
-from datasets.fingerprint import Hasher
 
 if TYPE_CHECKING:
+    import datasets
+
     from dflash_mp.data.stream import DataConfig
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,6 @@ ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assi
          "tool": "tool"}
 # Column of the tolerant json reader: one raw JSON document per row, parsed (and judged) per row.
 RAW_COLUMN = "_raw_json"
-TOKEN_FEATURES = datasets.Features({
-    "input_ids": datasets.Sequence(datasets.Value("int32")),
-    "loss_mask": datasets.Sequence(datasets.Value("int8")),
-    "skip_reason": datasets.Value("string"),
-})
 # datasets fingerprints a callable object by its state, not its class's code: without this, a
 # cached tokenisation would survive a change to this file.
 with open(__file__, "rb") as _f:
@@ -146,6 +141,8 @@ def _unaddressable_fields(fields) -> bool:
 
 def _read_json_tolerant(files: list[str]) -> datasets.Dataset:
     """One raw document per row, for json files whose rows do not share one Arrow schema."""
+    import datasets
+
     docs: list[bytes] = []
     for name in files:
         with open(name, "rb") as f:
@@ -183,6 +180,8 @@ def load_conversations(cfg: "DataConfig") -> datasets.Dataset:
 
     Local files form the "train" split; `cfg.split` may slice it ("train[:90%]").
     """
+    import datasets  # half a second to import: only the ranks that read data pay it
+
     path = cfg.path
     local = is_local(path)
     if not local:
@@ -575,12 +574,20 @@ def tokenize_dataset(ds: datasets.Dataset, tokenizer, cfg: "DataConfig",
 
     `vocab_limit` is the number of embedding rows of the target (default: `len(tokenizer)`).
     """
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "skip_reason": datasets.Value("string"),
+    })
     encoder = ChatEncoder(tokenizer, vocab_limit, cfg.messages_field, cfg.chat_template_kwargs, cfg.unfinished,
                           cfg.max_row_chars)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     fingerprint = Hasher.hash([ds._fingerprint, _SOURCE_HASH, encoder])
     out = ds.map(encoder, batched=True, batch_size=256, remove_columns=ds.column_names,
-                 features=TOKEN_FEATURES, num_proc=num_proc, new_fingerprint=fingerprint, desc="tokenize")
+                 features=features, num_proc=num_proc, new_fingerprint=fingerprint, desc="tokenize")
     skipped = Counter(r for r in out["skip_reason"] if r)
     if skipped:
         out = out.filter(_kept, batched=True, input_columns=["skip_reason"])

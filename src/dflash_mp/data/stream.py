@@ -12,9 +12,8 @@ import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
-import datasets
 import numpy as np
 import pyarrow.compute as pc
 
@@ -22,6 +21,9 @@ from dflash_mp.batch import PackedBatch
 from dflash_mp.data.chat import check_split, explain_skips, load_conversations, tokenize_dataset
 from dflash_mp.data.packing import pack_rows, plan_batches
 from dflash_mp.fsutil import file_lock
+
+if TYPE_CHECKING:
+    import datasets
 
 
 @dataclass

@@ -5,7 +5,8 @@ Layout of one packed row: queries are the `A*B` block tokens (query `i*B + k` is
 `mask_mod` drives both backends, so the dense path (CPU, and the reference in tests) and the flex
 path (CUDA) cannot drift apart:
 
-- `dense`: `create_mask` -> boolean `[1, 1, Q, KV]` -> `scaled_dot_product_attention`.
+- `dense`: the mask_mod on the index grid (`mask_grid`) -> boolean `[1, 1, Q, KV]` ->
+  `scaled_dot_product_attention`.
 - `flex`: `build_block_mask` -> `BlockMask` -> `flex_attention`, compiled once per process.
 - `triton`: `block_spans` -> the context span of each block -> `block_attention` (block_attn.py),
   kernels that walk only the keys a block sees; tested against `dense` on the same `mask_mod`.
@@ -22,9 +23,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_mp.block_mask import build_block_mask, compiled_once
+from dflash_mp.block_mask import build_block_mask, compiled_once, mask_grid
 from dflash_mp.model.block_attn import BlockSpans, block_attention, block_spans
 from dflash_mp.model.block_attn import available as block_kernels_available
 from dflash_mp.options import resolve_auto
@@ -166,7 +167,7 @@ def build_block_attention(
             return block_spans(anchors, anchor_valid, doc_ids, block_size, window)
         mask_mod = make_mask_mod(anchors, anchor_valid, doc_ids, T, block_size, window)
         if backend == "dense":
-            return create_mask(mask_mod, 1, 1, q_len, kv_len, device)
+            return mask_grid(mask_mod, q_len, kv_len, device)[None, None]
         size = flex_block_size if isinstance(flex_block_size, int) else tuple(flex_block_size)
         return build_block_mask(mask_mod, q_len, kv_len, device, size)
 

@@ -191,10 +191,11 @@ def varlen_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
     return module.out_proj(o.reshape(1, t, -1))
 
 
-@torch.compiler.disable  # a Python loop over the row's documents: a graph break when compiled
 def per_document(module: nn.Module, forward, hidden_states: torch.Tensor) -> torch.Tensor:
     """The module's own forward on each document's slice of the row: for linear-attention layouts
-    `varlen_forward` does not know."""
+    `varlen_forward` does not know. A Python loop over the row's documents: `install` runs it outside
+    any compiled graph (torch.compiler.disable, applied there: the decorator imports Dynamo, a second
+    that every process importing this module would pay)."""
     return torch.cat([forward(hidden_states[:, s:e]) for s, e in current_spans().pairs()], dim=1)
 
 
@@ -205,6 +206,7 @@ def install(module: nn.Module, cross_documents: bool = False) -> str:
     forward = module.__dict__.get("_own_forward", module.forward)  # a second worker on the same model
     module._own_forward = forward
     how = "varlen" if supports_varlen(module) else "per-document"
+    one_by_one = torch.compiler.disable(per_document) if how == "per-document" else None
 
     def run(hidden_states, *args, **kwargs):
         if not _active:
@@ -215,7 +217,7 @@ def install(module: nn.Module, cross_documents: bool = False) -> str:
                 return varlen_forward(module, hidden_states) if how == "varlen" else forward(hidden_states)
         if how == "varlen":
             return varlen_forward(module, hidden_states)
-        return per_document(module, forward, hidden_states)
+        return one_by_one(module, forward, hidden_states)
 
     module.forward = run
     return how
