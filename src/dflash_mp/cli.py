@@ -14,6 +14,7 @@ way; one that reads no job (the `builtin` commands, one node per sub-command) ta
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import re
 import sys
@@ -96,6 +97,15 @@ def entry(main: Callable[[], Any]) -> None:
         main()
     except ValueError as e:  # a user error: its message names the setting and the fix
         sys.exit(f"error: {e}")
+    exit_quickly()
+
+
+def exit_quickly() -> None:
+    """Once a command has done its work: move every object the collector tracks to its permanent
+    generation (gc.freeze), so the interpreter's teardown does not walk them again. A process that
+    imported transformers and built a model tracks 250-470 thousand objects; the teardown's collections
+    took about 1 s of every CPU rank's exit. Exit handlers, flushes and destructors all still run."""
+    gc.freeze()
 
 
 def tool_schema(node: str, schema: type) -> type:

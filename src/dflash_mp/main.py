@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
 from . import rundir
+from .cli import exit_quickly
 from .config import CONF_DIR, JobConfig, register, to_job
 from .liveness import Liveness, peer_error
 from .metrics import quiet_console
@@ -115,3 +116,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_quickly()
