@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _ROOT = tempfile.mkdtemp(prefix="dflash_mp-tests-")
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -19,3 +21,11 @@ os.environ["HF_DATASETS_CACHE"] = os.path.join(_ROOT, "hf", "datasets")
 os.environ.setdefault("DFLASH_MP_CACHE", os.path.join(_ROOT, "dflash_mp"))
 for _var in ("HF_HOME", "HF_DATASETS_CACHE", "DFLASH_MP_CACHE"):
     os.makedirs(os.environ[_var], exist_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_progress_switch(monkeypatch):
+    """Tests that build a role in this process run `metrics.quiet_console`, which may turn datasets'
+    bars off for the process through HF_DATASETS_DISABLE_PROGRESS_BARS. Each test starts without it
+    (and it is undone after), so a job a test launches shows only the switches the job sets itself."""
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)

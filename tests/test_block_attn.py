@@ -72,11 +72,11 @@ def check_interpreter(blocks: int) -> None:
     """Every case in fp32 through the interpreter, `blocks` blocks per program in the forward and dQ, the
     context tiles through pointers and through descriptors (whose rows past a span's end are other
     blocks' keys, not zeros): the kernels' arithmetic is the dense path's. With one block a program,
-    dK/dV walks 64-row context tiles (bench/flex_tiles.py's triton-n2x64w8; the default is 128): more
-    tiles a row, each touched by fewer blocks (dK/dV does not depend on `blocks`)."""
+    dK/dV walks 64-row context tiles (bench/flex_tiles.py's triton-n2x64w8), with two the default
+    tiles: more tiles a row, each touched by fewer blocks (dK/dV does not depend on `blocks`)."""
     from dflash_mp.model import block_attn
 
-    block_attn.TILES.update(q_blocks=blocks, BLOCK_N2=64 if blocks == 1 else 128)
+    block_attn.TILES.update(q_blocks=blocks, **({"BLOCK_N2": 64} if blocks == 1 else {}))
     for tma in (False, True):
         block_attn.USE_TMA = tma
         for case in CASES:

@@ -149,3 +149,44 @@ def test_start_up_goes_down_once_the_rate_model_below_runtime_the_tool_on_top():
     below = reaches(graph, "dflash_mp.split")
     assert not below & {"dflash_mp.runtime", "dflash_mp.plan", "dflash_mp.cli", "dflash_mp.main"}, below
     assert {"dflash_mp.split", "dflash_mp.runtime", "dflash_mp.cli"} <= graph["dflash_mp.plan"]
+
+
+START_UP = """
+import sys
+import torch
+import dflash_mp.main, dflash_mp.roles
+from dflash_mp.compile_stats import cache_counts, counts
+from dflash_mp.metrics import quiet_console
+from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.model.anchors import build_blocks
+
+quiet_console(False)
+T, A, B, H = 48, 3, 4, 32
+args = DrafterArgs(hidden_size=H, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, vocab_size=64, target_layer_ids=[1, 2], mask_token_id=63, block_size=B,
+                   layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+drafter = DFlashDrafter(args)
+docs = torch.cat([torch.zeros(20, dtype=torch.long), torch.ones(28, dtype=torch.long)])
+pos = torch.cat([torch.arange(20), torch.arange(28)])
+anchors, valid = torch.tensor([5, 12, 30]), torch.ones(3, dtype=torch.bool)
+_, block_pos = build_blocks(torch.zeros(T, dtype=torch.long), pos, anchors, B, 63)
+attn = drafter.build_attention(anchors, valid, docs)
+assert attn.backend == "dense", attn.backend
+drafter(torch.randn(T, 2 * H), torch.randn(A * B, H), pos, block_pos, attn).square().sum().backward()
+assert counts()["graphs"] == 0 and cache_counts()["fx_miss"] == 0
+print(sorted(m for m in ("torch._dynamo", "torch._inductor.cudagraph_trees", "datasets") if m in sys.modules))
+"""
+
+
+def test_a_drafter_rank_on_cpu_starts_without_dynamo_datasets_or_cuda_graph_trees():
+    """What a drafter rank runs before and during an eager CPU step (the entry point and the roles
+    imported, the console set, the dense mask built, a forward and backward, the compile counters read)
+    imports neither Dynamo, datasets nor CUDAGraph Trees: together ~2 s of each such rank's start-up,
+    two thirds of a short CPU job's processes."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", START_UP], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

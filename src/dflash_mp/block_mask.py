@@ -35,8 +35,9 @@ def compiled_once(name: str, fn: Callable) -> Callable:
 
 
 def mask_grid(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
-    """`[Q, KV]` bool: the mask_mod evaluated once on broadcast index tensors (`[Q, 1]` queries, `[1, KV]`
-    keys) and batch/head index 0, as every mask here ignores batch and head. What `create_mask` gives
+    """`[Q, KV]` bool (a broadcast view where the mask_mod ignores queries or keys): the mask_mod evaluated
+    once on broadcast index tensors (`[Q, 1]` queries, `[1, KV]` keys) and batch/head index 0, as every
+    mask here ignores batch and head. What `create_mask` gives
     (tests/test_masks.py), without its per-element vmap and without importing Dynamo, which
     create_mask does (a second of start-up for a drafter rank that runs eager on CPU)."""
     zero = torch.zeros((), dtype=torch.long, device=device)

@@ -97,14 +97,17 @@ def entry(main: Callable[[], Any]) -> None:
         main()
     except ValueError as e:  # a user error: its message names the setting and the fix
         sys.exit(f"error: {e}")
-    exit_quickly()
+    freeze_for_exit()
 
 
-def exit_quickly() -> None:
+def freeze_for_exit() -> None:
     """Once a command has done its work: move every object the collector tracks to its permanent
     generation (gc.freeze), so the interpreter's teardown does not walk them again. A process that
     imported transformers and built a model tracks 250-470 thousand objects; the teardown's collections
-    took about 1 s of every CPU rank's exit. Exit handlers, flushes and destructors all still run."""
+    took about 1 s of every CPU rank's exit. Exit handlers (atexit, weakref.finalize), logging's flush
+    and the destructors of objects freed by reference counting still run; objects held only by
+    reference cycles are no longer finalized, so whatever must flush is closed explicitly before
+    (the writers, the checkpoints, the shared-memory ring all are)."""
     gc.freeze()
 
 

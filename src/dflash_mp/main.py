@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
 from . import rundir
-from .cli import exit_quickly
+from .cli import freeze_for_exit
 from .config import CONF_DIR, JobConfig, register, to_job
 from .liveness import Liveness, peer_error
 from .metrics import quiet_console
@@ -116,4 +116,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_quickly()
+    freeze_for_exit()
