@@ -37,9 +37,8 @@ def compiled_once(name: str, fn: Callable) -> Callable:
 def mask_grid(mask_mod: MaskMod, q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
     """`[Q, KV]` bool (a broadcast view where the mask_mod ignores queries or keys): the mask_mod evaluated
     once on broadcast index tensors (`[Q, 1]` queries, `[1, KV]` keys) and batch/head index 0, as every
-    mask here ignores batch and head. What `create_mask` gives
-    (tests/test_masks.py), without its per-element vmap and without importing Dynamo, which
-    create_mask does (a second of start-up for a drafter rank that runs eager on CPU)."""
+    mask here ignores batch and head. The mask `create_mask` gives (tests/test_masks.py), without its
+    per-element vmap and without the Dynamo import it makes (a second of a CPU drafter rank's start-up)."""
     zero = torch.zeros((), dtype=torch.long, device=device)
     q = torch.arange(q_len, device=device)[:, None]
     kv = torch.arange(kv_len, device=device)[None, :]

@@ -194,9 +194,15 @@ def varlen_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 def per_document(module: nn.Module, forward, hidden_states: torch.Tensor) -> torch.Tensor:
     """The module's own forward on each document's slice of the row: for linear-attention layouts
     `varlen_forward` does not know. A Python loop over the row's documents: `install` runs it outside
-    any compiled graph (torch.compiler.disable, applied there: the decorator imports Dynamo, a second
-    that every process importing this module would pay)."""
+    any compiled graph (`_per_document_outside_graph`)."""
     return torch.cat([forward(hidden_states[:, s:e]) for s, e in current_spans().pairs()], dim=1)
+
+
+@functools.cache
+def _per_document_outside_graph():
+    """`per_document` under torch.compiler.disable, made once on first use: as a decorator it would
+    import Dynamo (a second) in every process that imports this module."""
+    return torch.compiler.disable(per_document)
 
 
 def install(module: nn.Module, cross_documents: bool = False) -> str:
@@ -206,7 +212,7 @@ def install(module: nn.Module, cross_documents: bool = False) -> str:
     forward = module.__dict__.get("_own_forward", module.forward)  # a second worker on the same model
     module._own_forward = forward
     how = "varlen" if supports_varlen(module) else "per-document"
-    one_by_one = torch.compiler.disable(per_document) if how == "per-document" else None
+    one_by_one = _per_document_outside_graph() if how == "per-document" else None
 
     def run(hidden_states, *args, **kwargs):
         if not _active:
