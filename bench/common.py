@@ -98,13 +98,17 @@ def write_json(obj, name: str) -> None:
         json.dump(obj, f, indent=2)
 
 
-KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler reports them
+KERNEL_CLASSES = (  # first match wins; lowercased substrings of the names the profiler gives CUDA kernels
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
-    ("flex_attention", ("flex", "triton_tem")),
+    ("flex_attention", ("flex",)),
     ("block_attention", ("block_attn",)),  # the Triton block kernels (drafter.attention=triton)
     ("doc_attention", ("doc_attn_fwd",)),  # the target's Triton kernel (target.attn_implementation=triton)
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("copy", ("memcpy", "memset", "copy_", "CatArrayBatched")),
+    ("loss", ("stats_tiles_kernel", "stats_lanes_kernel", "grad_kernel")),  # model/ce_kernels_triton.py
+    # Inductor names a fused kernel after the ops in it: AdamW's update (optim.adamw_update) is the step's
+    # only torch.lerp. Its names also hold "_to_copy" and "copy_", which made it a "copy" before.
+    ("optimizer", ("multi_tensor", "adam", "foreach", "lerp")),
+    # Data movement only: not "copy_", which Inductor writes for dtype casts (`_to_copy`) and in-place copies.
+    ("copy", ("memcpy", "memset", "catarraybatched", "direct_copy")),
     # Before "attention": Inductor names its fused kernels after the ops around them ("..._doc_attention_...").
     ("fused_triton", ("triton_",)),
     ("attention", ("fmha", "flash", "attention")),
@@ -112,6 +116,17 @@ KERNEL_CLASSES = (  # first match wins; names of CUDA kernels as the profiler re
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduce", ("reduce", "norm")),
 )
+
+
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel, by its name (KERNEL_CLASSES; `other` where nothing matches)."""
+    name = name.lower()
+    if name.startswith("triton_tem") and "flex" not in name:
+        # Inductor's other templates are its GEMMs (max-autotune): "triton_tem_fused_mm_t_view_2", or with
+        # the ops fused around one, "..._mean_mm_mul_pow_rsqrt_silu_...". flex_attention's hold
+        # "flex_attention", also where a prologue brings a bmm ("..._add_bmm_cat_cos_flex_attention_...").
+        return "matmul"
+    return next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
 
 
 def kernel_profile(step, device, n: int = 3, top: int = 30) -> dict:
@@ -129,8 +144,7 @@ def kernel_profile(step, device, n: int = 3, top: int = 30) -> dict:
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if not us or ev.key.startswith("ProfilerStep"):
             continue
-        name = ev.key.lower()
-        cls = next((c for c, keys in KERNEL_CLASSES if any(k.lower() in name for k in keys)), "other")
+        cls = kernel_class(ev.key)
         per[cls] = per.get(cls, 0.0) + us / 1000 / n
         kernels.append((us / 1000 / n, ev.count // n, ev.key[:120]))
     kernels.sort(reverse=True)
