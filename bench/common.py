@@ -98,9 +98,13 @@ def write_json(obj, name: str) -> None:
         json.dump(obj, f, indent=2)
 
 
-KERNEL_CLASSES = (  # first match wins; lowercased substrings of the names the profiler gives CUDA kernels
+KERNEL_CLASSES = (  # first match wins (a class may have several rows); lowercased substrings of kernel names
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("flex_attention", ("flex",)),
+    # Inductor's other templates are its GEMMs (max-autotune): "triton_tem_fused_mm_t_view_2", or with the ops
+    # fused around one, "..._mean_mm_mul_pow_rsqrt_silu_...". flex_attention's hold "flex_attention" (above),
+    # also where a prologue brings a bmm ("..._add_bmm_cat_cos_flex_attention_...").
+    ("matmul", ("triton_tem",)),
     ("block_attention", ("block_attn",)),  # the Triton block kernels (drafter.attention=triton)
     ("doc_attention", ("doc_attn_fwd",)),  # the target's Triton kernel (target.attn_implementation=triton)
     ("loss", ("stats_tiles_kernel", "stats_lanes_kernel", "grad_kernel")),  # model/ce_kernels_triton.py
@@ -121,11 +125,6 @@ KERNEL_CLASSES = (  # first match wins; lowercased substrings of the names the p
 def kernel_class(name: str) -> str:
     """The class of a CUDA kernel, by its name (KERNEL_CLASSES; `other` where nothing matches)."""
     name = name.lower()
-    if name.startswith("triton_tem") and "flex" not in name:
-        # Inductor's other templates are its GEMMs (max-autotune): "triton_tem_fused_mm_t_view_2", or with
-        # the ops fused around one, "..._mean_mm_mul_pow_rsqrt_silu_...". flex_attention's hold
-        # "flex_attention", also where a prologue brings a bmm ("..._add_bmm_cat_cos_flex_attention_...").
-        return "matmul"
     return next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
 
 
