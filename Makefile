@@ -3,6 +3,11 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
+# Test processes (pytest-xdist; whole files to a worker, so a module's fixtures are built once). Most
+# multi-process tests wait on their ranks more than they compute: two workers fill 2 cores.
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+PYTEST = $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install test test-fast demo lint clean
 
@@ -17,10 +22,10 @@ install:
 	$(PYTHON) -m pip install --no-deps --upgrade --target build/triton-interp $(TRITON)
 
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 demo:
 	torchrun --nproc-per-node 3 -m dflash_mp.main

@@ -66,7 +66,11 @@ def no_package_traceback(out: str) -> bool:
 
 
 # ------------------------------------------------------------------ case 2: two jobs in one run_dir
-LONG = SMALL + ["data.max_rows=40", "train.max_steps=200", "checkpoint.every=0", "train.stop_grace_s=20"]
+LONG = SMALL + ["data.max_rows=40", "checkpoint.every=0", "train.stop_grace_s=20"]
+# Job A trains until the fixture stops it: however slow B's start-up on a loaded machine, A still holds the
+# run_dir when B asks for it (A's 200 steps were once over before B was refused, on 2 cores shared by 3
+# test workers). B, if it were let in, would end by itself.
+UNTIL_STOPPED, B_STEPS = "train.max_steps=1000000", "train.max_steps=200"
 
 
 def _json(path):
@@ -81,12 +85,12 @@ def contested(tmp_path_factory):
     """Job A runs; job B (other lr) starts in the same run_dir and must be refused; then A is
     stopped by SIGTERM (checkpoint, exit 0)."""
     run_dir = str(tmp_path_factory.mktemp("contested") / "run")
-    a = start(2, LONG + [f"run_dir={run_dir}"])
+    a = start(2, LONG + [UNTIL_STOPPED, f"run_dir={run_dir}"])
     deadline = time.time() + 120
     while "run_id" not in _json(f"{run_dir}/run.json"):  # A has claimed the directory
         assert a.poll() is None and time.time() < deadline, "job A ended early"
         time.sleep(0.2)
-    rc_b, out_b, _ = run(2, LONG + [f"run_dir={run_dir}", "train.lr=5e-3"], timeout=180)
+    rc_b, out_b, _ = run(2, LONG + [B_STEPS, f"run_dir={run_dir}", "train.lr=5e-3"], timeout=180)
     a_ran_throughout = a.poll() is None
     if a_ran_throughout:
         signal_workers(a.pid)
