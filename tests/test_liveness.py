@@ -91,6 +91,40 @@ def test_a_dead_pid_on_this_host_is_named_at_once():
     assert problem and problem.startswith("target rank 0") and f"died (pid {p.pid} is gone)" in problem
 
 
+def test_a_peer_that_failed_or_finished_and_exited_after_the_read_is_quoted_not_called_dead():
+    """The watcher read rank 0 training; rank 0 then wrote its failure (or DONE) and exited, so its pid
+    is gone when check() looks. The watcher's verdict (`problem`) reads the beats again: it quotes rank
+    0's reason, the first failure, as every survivor must, and lets a finished rank be. On a loaded
+    machine this ordering made drafter rank 1 say "target rank 0 died" where the target had named the
+    frozen drafter rank 2."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from torch.distributed import HashStore
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    here = socket.gethostname()
+    read_before = {0: beat(1, pid=p.pid, host=here), 1: None, 2: beat(1)}
+    reason = "target rank 0 failed: drafter rank 2 [training for 0 s] has not beaten for 5 s: dead or frozen"
+    for then, expected in ((beat(2, FAILED, reason=reason, pid=p.pid, host=here), reason),
+                           (beat(2, DONE, pid=p.pid, host=here), None)):
+        store = HashStore()
+        for r, b in {0: then, 2: beat(2)}.items():
+            store.set(f"hb/{r}", json.dumps(b))
+        w = Liveness(store, 1, 3, NAMES, LivenessConfig(stale_s=6.0), wait_s=6.0, exit_fn=lambda code: None)
+        assert f"died (pid {p.pid} is gone)" in w.check(read_before, 0.0, 1.0)  # the old read alone
+        assert w.problem(read_before, 1.0, 1.0) == expected
+    # Nothing changed in the store: the death stands.
+    store = HashStore()
+    store.set("hb/0", json.dumps(read_before[0]))
+    store.set("hb/2", json.dumps(beat(2)))
+    w = Liveness(store, 1, 3, NAMES, LivenessConfig(stale_s=6.0), wait_s=6.0, exit_fn=lambda code: None)
+    assert f"died (pid {p.pid} is gone)" in w.problem(read_before, 0.0, 1.0)
+
+
 def test_a_wait_times_out_only_over_quiet_time_and_says_why_it_waited(caplog):
     w = watcher(wait=6.0)
     w.phase("training")

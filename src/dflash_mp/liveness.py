@@ -229,10 +229,25 @@ class Liveness:
             with self._lock:
                 self._beats = beats
             now = time.monotonic()
-            problem = self.check(beats, now, now - last)
+            problem = self.problem(beats, now, now - last)
             last = now
             if problem and not self._stop.is_set():
                 self._fatal(problem)
+
+    def problem(self, beats: dict[int, dict | None], now: float, dt: float) -> str | None:
+        """check(beats), confirmed against the beats as they are now. A rank that fails writes its
+        reason and then exits (one that ends cleanly, DONE): its pid can be gone by the time check()
+        looks while `beats` were read before that write. Read again, so that a survivor quotes the
+        first failure instead of naming the rank that relayed it as dead, and lets a finished one be."""
+        seen = self.check(beats, now, dt)
+        if seen is None:
+            return None
+        try:
+            fresh = self._read()
+        except Exception as e:  # noqa: BLE001 - the store is gone: the agent is tearing down
+            log.debug("liveness: store unreachable (%s)", e)
+            return seen
+        return self.check(fresh, time.monotonic(), 0.0)
 
     def _read(self) -> dict[int, dict | None]:
         """Every rank's last beat (None: not started yet). A rank's key, once written, stays."""
