@@ -2,12 +2,17 @@
 dead or stuck peer ends every rank within its bound, named by every survivor."""
 
 import glob
+import json
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
+from torch.distributed import HashStore
 
 from dflash_mp.liveness import DONE, FAILED, Liveness, LivenessConfig
 from dflash_mp.transport.shm import PREFIX
@@ -31,9 +36,16 @@ def beat(n, phase="training", age=1.0, step=5, wait=None, reason="", pid=None, h
             "reason": reason, "wait": wait}
 
 
-def watcher(stale=6.0, wait=6.0, **bounds):
-    return Liveness(DictStore(), 1, 3, NAMES, LivenessConfig(stale_s=stale, **bounds), wait_s=wait,
+def watcher(stale=6.0, wait=6.0, store=None, **bounds):
+    return Liveness(store or DictStore(), 1, 3, NAMES, LivenessConfig(stale_s=stale, **bounds), wait_s=wait,
                     exit_fn=lambda code: None)
+
+
+def exited_pid() -> int:
+    """The pid of a process of this host that has already exited."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
 
 
 # ------------------------------------------------------------------------------ fast: the rules
@@ -80,15 +92,9 @@ def test_no_drafter_has_trained_until_one_finishes_the_first_step_of_its_attempt
 
 
 def test_a_dead_pid_on_this_host_is_named_at_once():
-    import socket
-    import subprocess
-    import sys
-
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    w = watcher()
-    problem = w.check({0: beat(1, pid=p.pid, host=socket.gethostname()), 1: None, 2: beat(1)}, 0.0, 1.0)
-    assert problem and problem.startswith("target rank 0") and f"died (pid {p.pid} is gone)" in problem
+    pid = exited_pid()
+    problem = watcher().check({0: beat(1, pid=pid, host=socket.gethostname()), 1: None, 2: beat(1)}, 0.0, 1.0)
+    assert problem and problem.startswith("target rank 0") and f"died (pid {pid} is gone)" in problem
 
 
 def test_a_peer_that_failed_or_finished_and_exited_after_the_read_is_quoted_not_called_dead():
@@ -97,32 +103,19 @@ def test_a_peer_that_failed_or_finished_and_exited_after_the_read_is_quoted_not_
     0's reason, the first failure, as every survivor must, and lets a finished rank be. On a loaded
     machine this ordering made drafter rank 1 say "target rank 0 died" where the target had named the
     frozen drafter rank 2."""
-    import json
-    import socket
-    import subprocess
-    import sys
-
-    from torch.distributed import HashStore
-
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    here = socket.gethostname()
-    read_before = {0: beat(1, pid=p.pid, host=here), 1: None, 2: beat(1)}
+    pid, here = exited_pid(), socket.gethostname()
+    read_before = {0: beat(1, pid=pid, host=here), 1: None, 2: beat(1)}
     reason = "target rank 0 failed: drafter rank 2 [training for 0 s] has not beaten for 5 s: dead or frozen"
-    for then, expected in ((beat(2, FAILED, reason=reason, pid=p.pid, host=here), reason),
-                           (beat(2, DONE, pid=p.pid, host=here), None)):
+    for now_in_store, expected in ((beat(2, FAILED, reason=reason, pid=pid, host=here), reason),
+                                   (beat(2, DONE, pid=pid, host=here), None),
+                                   (read_before[0], f"died (pid {pid} is gone)")):  # nothing new: it stands
         store = HashStore()
-        for r, b in {0: then, 2: beat(2)}.items():
+        for r, b in {0: now_in_store, 2: beat(2)}.items():
             store.set(f"hb/{r}", json.dumps(b))
-        w = Liveness(store, 1, 3, NAMES, LivenessConfig(stale_s=6.0), wait_s=6.0, exit_fn=lambda code: None)
-        assert f"died (pid {p.pid} is gone)" in w.check(read_before, 0.0, 1.0)  # the old read alone
-        assert w.problem(read_before, 1.0, 1.0) == expected
-    # Nothing changed in the store: the death stands.
-    store = HashStore()
-    store.set("hb/0", json.dumps(read_before[0]))
-    store.set("hb/2", json.dumps(beat(2)))
-    w = Liveness(store, 1, 3, NAMES, LivenessConfig(stale_s=6.0), wait_s=6.0, exit_fn=lambda code: None)
-    assert f"died (pid {p.pid} is gone)" in w.problem(read_before, 0.0, 1.0)
+        w = watcher(store=store)
+        assert f"died (pid {pid} is gone)" in w.check(read_before, 0.0, 1.0)  # the old read alone
+        verdict = w.problem(read_before, 1.0, 1.0)
+        assert verdict is None if expected is None else expected in verdict, verdict
 
 
 def test_a_wait_times_out_only_over_quiet_time_and_says_why_it_waited(caplog):
