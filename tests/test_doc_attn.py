@@ -213,6 +213,11 @@ def check_worker() -> None:
 
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert graphs <= 2, graphs  # the layers share their graph (at most one per kind: full, sliding)
+    # Rows in one forward (target.rows_per_forward): a one-document row without padding, then a row whose
+    # first document has id 0 too; each row captures what it captures alone.
+    joined = [rows[2], rows[1], rows[0]]
+    for pb, got in zip(joined, eager.forward_rows(joined)):
+        torch.testing.assert_close(got.hidden, eager.forward(pb).hidden, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)

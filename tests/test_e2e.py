@@ -22,12 +22,14 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
 
 
 # (1, 2) takes turns at the "GPU" (gpu_turns=on: the node's ranks on CPU) from the drafter's 4th step:
-# turns change when work runs, never what it computes.
-@pytest.mark.parametrize("targets,world,turns", [(1, 2, "on"), (1, 3, "auto"), (2, 3, "auto")])
-def test_split_trains_end_to_end_and_equals_one_process_reference(tmp_path, targets, world, turns):
+# turns change when work runs, never what it computes. The last case's targets forward two rows at a time
+# (target.rows_per_forward=2), 3 rows each: the last forward's second row is a repeat, never sent.
+@pytest.mark.parametrize("targets,world,turns,rows", [(1, 2, "on", 1), (1, 3, "auto", 1), (2, 3, "auto", 1),
+                                                      (2, 3, "auto", 2)])
+def test_split_trains_end_to_end_and_equals_one_process_reference(tmp_path, targets, world, turns, rows):
     run_dir = str(tmp_path / "run")
     ov = SMALL + [f"run_dir={run_dir}", f"topology.num_target_ranks={targets}", "train.max_steps=6",
-                  f"topology.gpu_turns={turns}"]
+                  f"topology.gpu_turns={turns}", f"target.rows_per_forward={rows}"]
     torchrun(world, ov)
     logged = open(f"{run_dir}/logs/rank_0.log").read()
     assert ("GPU turns on: ranks [0, 1] share the GPU" in logged) == (turns == "on")

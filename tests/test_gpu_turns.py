@@ -180,10 +180,12 @@ def test_ranks_of_a_shared_gpu_know_who_goes_first():
     assert not os.path.exists(target.path) and not os.path.exists(target.first_path)
 
 
-def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path):
-    # TargetRun's loop with the model and the transport left out: the next batch is packed while the
-    # turn is held (the GPU runs the forward meanwhile), so nothing separates the send from asking for
-    # the next turn; and no batch is packed past the last forward.
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path, rows):
+    # TargetRun's loop with the model and the transport left out: the next forward's batches (`rows` of
+    # them, target.rows_per_forward) are packed while the turn is held (the GPU runs the forward
+    # meanwhile), so nothing separates the send from asking for the next turn; and no batch is packed
+    # past the last forward.
     path = str(tmp_path / "gpu0")
     probe, held = os.open(path, os.O_RDWR | os.O_CREAT), []
 
@@ -199,16 +201,18 @@ def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path):
 
     run, sent = TargetRun.__new__(TargetRun), []
     run.turns = GpuTurns(path, CPU, first=True)
-    run.batches, run.ahead, run.forwards, run.num_forwards = batches(), None, 1, 4  # forward 0 compiled
+    run.batches, run.ahead, run.forwards, run.num_forwards = batches(), [], 1, 1 + 3 * rows  # forward 0 compiled
+    run.taken, run.rows_per_forward, run.ready = 1, rows, []
     run.stream = object()
-    run.worker = SimpleNamespace(forward=lambda pb: ("states", pb))
+    run.worker = SimpleNamespace(forward_rows=lambda rows: [("states", pb) for pb in rows])
     run.sender = SimpleNamespace(send=lambda dst, hb: sent.append((dst, hb)))
     run.metrics = SimpleNamespace(update=lambda pb, data: None)
     try:
-        for step in range(1, 4):
-            run.send(7, run.next_batch(), step)
+        for step in range(1, 1 + 3 * rows):
+            run.send(7, None, step)  # a first stage's: the next data row
     finally:
         run.turns.close()
         os.close(probe)
-    assert sent == [(7, ("states", i)) for i in range(3)]
-    assert held == [False, True, True]  # the first batch came before any turn; none after the last
+    assert sent == [(7, ("states", i)) for i in range(3 * rows)]
+    # the first forward's batches came before any turn; none after the last
+    assert held == [False] * rows + [True] * (2 * rows)

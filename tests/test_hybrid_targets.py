@@ -300,3 +300,14 @@ def test_the_compiled_check_takes_each_layer_alone_and_refuses_a_wrong_one(arch)
     pb = packed([70, 9, 33], 128)
     torch.testing.assert_close(worker.forward(pb).hidden, TargetWorker(model, [1, 3], torch.device("cpu"))
                                .forward(pb).hidden, atol=0, rtol=0)
+
+
+def test_rows_in_one_forward_keep_a_hybrid_targets_documents_apart(tmp_path):
+    """target.rows_per_forward on Gated DeltaNet layers: rows laid end to end restart the recurrent state
+    at each row's documents and padding, so each row captures what it captures alone."""
+    path = save_target(tmp_path, "tiny-qwen3.5")
+    worker = TargetWorker.load(path, [0, 2, 3], torch.device("cpu"), torch.float32, "sdpa")
+    assert worker.linear
+    rows = [packed([128], 128, seed=1), packed([70, 9, 33], 128, seed=2), packed([100], 128, seed=3)]
+    for row, got in zip(rows, worker.forward_rows(rows)):
+        torch.testing.assert_close(got.hidden, worker.forward(row).hidden, atol=1e-5, rtol=1e-4)

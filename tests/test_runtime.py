@@ -75,3 +75,11 @@ def test_the_target_spec_is_parsed_once_for_the_start_up_and_the_planner(tmp_pat
     res = prepare(compose([f"target.cache_dir={tmp_path}", "topology.num_target_ranks=auto"]))
     n = split.resolve_num_target_ranks(res.job, 4, res.target_config, res.spec, res.layer_ids, res.mask_token_id)
     assert 1 <= n <= 3 and len(calls) == 1, len(calls)
+
+
+@pytest.mark.parametrize("overrides", [["target.rows_per_forward=0"],
+                                       ["target.rows_per_forward=2", "target.stages=2"]])
+def test_rows_per_forward_is_refused_below_one_and_with_a_staged_target(tmp_path, overrides):
+    with pytest.raises(ValueError, match=r"target.rows_per_forward=\d with target.stages=\d: use 1 or more"):
+        prepare(compose([f"target.cache_dir={tmp_path}", *overrides]))
+    prepare(compose([f"target.cache_dir={tmp_path}", "target.rows_per_forward=2"]))  # one stage: taken

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_mp.batch import PackedBatch
+from dflash_mp.batch import PackedBatch, join_rows
 from dflash_mp.target import (
     FLEX_OUTSIDE_GRAPH,
     TargetWorker,
@@ -246,3 +246,28 @@ def test_a_compiled_forward_that_differs_from_eager_falls_back_to_eager(tmp_path
     assert "the compiled forward's features differ from the eager ones" in caplog.text
     torch.testing.assert_close(worker.forward(packed([10, 6], 20)).hidden,
                                TargetWorker(model, [1, 3], torch.device("cpu")).forward(packed([10, 6], 20)).hidden)
+
+
+@pytest.mark.parametrize("window", [None, 4])  # the Triton kernel's: test_doc_attn.check_worker
+def test_rows_in_one_forward_capture_what_each_row_captures_alone(tmp_path, window):
+    """target.rows_per_forward: rows laid end to end keep their documents and their padding apart. The
+    middle row is one document with no padding, as the next row's first document has id 0 too: joined
+    without new ids the two would run as one document."""
+    model = tiny_model(tmp_path, window=window)
+    truncate(model, 3)
+    worker = TargetWorker(model, [1, 2, 3], torch.device("cpu"))
+    rows = [packed([7, 12, 5], 32, seed=1), packed([32], 32, seed=2), packed([9, 4], 32, seed=3)]
+    joined = join_rows(rows)
+    # row 1: documents 0-2, padding 3; row 2: document 4 (no padding: 5 unused); row 3: 6-7, padding 8
+    want = [0] * 7 + [1] * 12 + [2] * 5 + [3] * 8 + [4] * 32 + [6] * 9 + [7] * 4 + [8] * 19
+    assert joined.doc_ids.tolist() == want
+    assert joined.num_valid_tokens == 24 + 32 + 13 and joined.num_docs == 6
+    together = worker.forward_rows(rows)
+    assert len(together) == 3
+    for row, got in zip(rows, together):
+        alone = worker.forward(row)
+        assert got.hidden.shape == alone.hidden.shape == (32, 3 * 32)
+        torch.testing.assert_close(got.hidden, alone.hidden, atol=1e-5, rtol=1e-5)  # padding rows too
+        for f in ("input_ids", "position_ids", "doc_ids", "loss_mask"):
+            assert torch.equal(getattr(got, f), getattr(row, f)), f
+        assert got.num_valid_tokens == row.num_valid_tokens

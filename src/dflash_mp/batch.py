@@ -46,6 +46,27 @@ class PackedBatch:
         return self.input_ids.shape[0]
 
 
+def join_rows(rows: list[PackedBatch]) -> PackedBatch:
+    """Packed rows laid end to end as one row, for one forward over them all (`target.rows_per_forward`).
+    Each row's documents get ids after the previous row's, and its padding an id of its own after its
+    documents: a run of equal ids is one document to every attention and linear-attention kernel, so
+    no token sees past its own row's document, and one row's padding never meets another's."""
+    ids, offset = [], 0
+    for r in rows:
+        d = r.doc_ids
+        n = int(d.max()) + 1 if d.numel() else 0  # the row's documents are 0..n-1 (a host row: no sync)
+        ids.append(torch.where(d >= 0, d, n) + offset)
+        offset += n + 1
+    return PackedBatch(
+        input_ids=torch.cat([r.input_ids for r in rows]),
+        position_ids=torch.cat([r.position_ids for r in rows]),
+        doc_ids=torch.cat(ids),
+        loss_mask=torch.cat([r.loss_mask for r in rows]),
+        num_docs=sum(r.num_docs for r in rows),
+        num_valid_tokens=sum(r.num_valid_tokens for r in rows),
+    )
+
+
 @dataclass
 class HiddenBatch:
     """Captured target hidden states plus the token tensors they belong to."""

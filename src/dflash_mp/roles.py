@@ -159,7 +159,8 @@ class TargetRun(_RoleRun):
         with out:
             self.worker = TargetWorker.load(ctx.target_path, ctx.layer_ids, ctx.device, ctx.dtype,
                                             job.target.attn_implementation, job.target.compile,
-                                            job.target.packing_check, layers=layers, probe_len=job.data.seq_len,
+                                            job.target.packing_check, layers=layers,
+                                            probe_len=job.data.seq_len * job.target.rows_per_forward,
                                             cuda_graph=job.target.cuda_graph)
         self.compiled = self.worker.compiled  # False where the compiled forward failed its check
         self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
@@ -184,11 +185,14 @@ class TargetRun(_RoleRun):
             self.metrics = TargetMetrics(self.writer, topo.target_group, topo.role_size, ctx.target_config,
                                          range(*layers), job.logging.peak_tflops, ctx.device, self.skipped,
                                          self.start)
-            self.forwards = 0
-            # this run's forwards: pack_ahead packs no batch past the last
+            self.forwards = 0  # rows sent
+            # this run's rows: pack_ahead packs no batch past the last
             self.num_forwards = (topo.num_sends(topo.rank, self.num_steps)
                                  - topo.num_sends(topo.rank, self.start))
-            self.ahead = None  # the next data batch, packed during the previous forward (pack_ahead)
+            self.ahead: list = []  # the next forward's data rows, packed during the previous one (pack_ahead)
+            self.taken = 0  # data rows taken from the stream (next_batch, pack_ahead)
+            self.rows_per_forward = job.target.rows_per_forward
+            self.ready: list = []  # (HiddenBatch, its data row) forwarded with an earlier row, not sent yet
             self._stack = stack.pop_all()  # from here close() owns them
 
     def run(self) -> None:
@@ -202,7 +206,7 @@ class TargetRun(_RoleRun):
             self.live.phase("training")
             maybe_fault(self.fault, topo.rank, step, "kill", "hang", "stall")
             for dst in topo.sends_at_step(topo.rank, step):
-                batch = self.next_batch() if self.upstream is None else self.upstream.recv(self.prev)
+                batch = None if self.upstream is None else self.upstream.recv(self.prev)
                 self.send(dst if self.next is None else self.next, batch, step)
             if (step + 1) % log_every == 0 or step + 1 == self.num_steps:
                 stats = self.sender.stats()
@@ -211,40 +215,58 @@ class TargetRun(_RoleRun):
                 self.metrics.flush(step + 1, stats)
         self.finish(end)
 
-    def send(self, dst: int, pb, step: int) -> None:
-        if self.forwards == 0:  # the first forward compiles: busy, not silent
-            out = (compile_output.to_file(compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank),
-                                          "target compile") if self.compiled else contextlib.nullcontext())
-            with self.live.during("compiling", "target forward"), out:
-                hb = self.worker.forward(pb)
-                if self.saves_cache:
-                    compile_cache.save(self.cache_path)
-            startup_s = process_age_s()
-            log.info("first target forward done %.1f s after the process started", startup_s)
-            self.writer.add_scalar("time/startup_s", startup_s, step + 1)
-        else:
-            with self.turns.turn():  # a GPU shared with a drafter: the forward runs alone on it
-                hb = self.worker.forward(pb)
-                self.pack_ahead()  # on the CPU, while the GPU runs the forward
+    def send(self, dst: int, batch, step: int) -> None:
+        """Send `dst` its next row: `batch` (a later stage's: the previous stage's message) forwarded, or
+        on a first stage the next data row, forwarded now or with an earlier one (`ready`)."""
+        if not self.ready:
+            rows, real = ([batch], 1) if batch is not None else self.take_rows()
+            if self.forwards == 0:  # the first forward compiles: busy, not silent
+                path = compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank)
+                out = (compile_output.to_file(path, "target compile") if self.compiled
+                       else contextlib.nullcontext())
+                with self.live.during("compiling", "target forward"), out:
+                    hbs = self.worker.forward_rows(rows)
+                    if self.saves_cache:
+                        compile_cache.save(self.cache_path)
+                startup_s = process_age_s()
+                log.info("first target forward done %.1f s after the process started", startup_s)
+                self.writer.add_scalar("time/startup_s", startup_s, step + 1)
+            else:
+                with self.turns.turn():  # a GPU shared with a drafter: the forward runs alone on it
+                    hbs = self.worker.forward_rows(rows)
+                    self.pack_ahead()  # on the CPU, while the GPU runs the forward
+            self.ready = list(zip(hbs, rows))[:real]  # a repeated last row (take_rows) is not sent
+        hb, pb = self.ready.pop(0)
         self.forwards += 1
         self.sender.send(dst, hb)
         self.metrics.update(pb, data=self.stream is not None)
 
+    def take_rows(self) -> tuple[list, int]:
+        """The next forward's data rows (`target.rows_per_forward`) and how many of them are real: past the
+        run's last row the last one is repeated, so every forward has the shape the first compiled."""
+        real = min(self.rows_per_forward, self.num_forwards - self.forwards)
+        rows = [self.next_batch() for _ in range(real)]
+        return rows + rows[-1:] * (self.rows_per_forward - real), real
+
     def next_batch(self):
         """The next packed data batch: the one `pack_ahead` packed, else a new one."""
-        pb, self.ahead = self.ahead, None
-        return pb if pb is not None else next(self.batches)
+        if self.ahead:
+            return self.ahead.pop(0)
+        self.taken += 1
+        return next(self.batches)
 
     def pack_ahead(self) -> None:
-        """Pack the next data batch now, inside the turn, if another forward follows this one.
+        """Pack the next forward's data rows now, inside the turn, if another forward follows this one.
 
         Packed after the send (0.9 ms median at 8B shapes, up to 7 ms), the next batch held back the
         target's next turn, and a drafter waiting on an empty ring could take the turn in that window:
         the two alternated with the ring empty, the drafter waiting a whole forward for each batch
         (BENCHMARKS.md, calls Z5 and Z9; `GpuTurns.first` is the other half of the mend). Packed here,
         the target asks for its next turn right after the send."""
-        if self.batches is not None and self.ahead is None and self.forwards + 1 < self.num_forwards:
-            self.ahead = next(self.batches)
+        while (self.batches is not None and len(self.ahead) < self.rows_per_forward
+               and self.taken < self.num_forwards):
+            self.ahead.append(next(self.batches))
+            self.taken += 1
 
     def finish(self, end: int) -> None:
         rank = self.ctx.topo.rank

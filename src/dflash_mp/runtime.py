@@ -123,6 +123,11 @@ def validate(job: JobConfig, target_config: dict, tokenizer, spec: TargetSpec | 
     except ValueError as e:  # the model's own checks name its fields: say where they are set
         raise ValueError(f"drafter config (drafter.*): {e}") from None
     plan_stages(target_config, layer_ids, job.target.stages, job.data.seq_len)  # a split that cannot be fails here
+    rows = job.target.rows_per_forward
+    if rows < 1 or (rows > 1 and job.target.stages > 1):
+        raise ValueError(f"target.rows_per_forward={rows} with target.stages={job.target.stages}: use 1 or "
+                         "more rows per forward, and more than 1 only with target.stages=1 (a later stage "
+                         "takes the previous stage's rows one at a time)")
     return layer_ids, mask
 
 

@@ -28,6 +28,10 @@ class TargetConfig:
     # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
     # node (a target larger than one GPU), balanced by forward cost; see stages.py.
     stages: int = 1
+    # Packed rows per forward: >1 lays that many rows end to end in one forward (their documents kept
+    # apart), so each matmul gets rows x data.seq_len rows; the drafters still get one row per message.
+    # Needs target.stages=1.
+    rows_per_forward: int = 1
 
 
 def rope_from_config(config: dict) -> tuple[float, dict | None]:

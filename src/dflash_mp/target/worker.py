@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from ..batch import HiddenBatch, PackedBatch
+from ..batch import HiddenBatch, PackedBatch, join_rows
 from ..cuda_graph import describe_state
 from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
@@ -359,6 +359,28 @@ class TargetWorker:
             loss_mask=batch.loss_mask.to(self.device, non_blocking=True),
             num_valid_tokens=batch.num_valid_tokens,
         )
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: list[PackedBatch]) -> list[HiddenBatch]:
+        """Several packed rows in one forward (`target.rows_per_forward`, a first stage only): laid end to
+        end as one row whose documents stay apart (batch.join_rows), so each row's captured states are
+        its own forward's, within the kernels' rounding; the matmuls get rows x T rows each, where one
+        row's T = 3072 leaves an 8B target's below the GPU's best. One HiddenBatch per row."""
+        if len(rows) == 1:
+            return [self.forward(rows[0])]
+        if not self.first_stage:
+            raise ValueError("forward_rows takes packed data rows, a first stage's (target.rows_per_forward "
+                             "> 1 needs target.stages=1)")
+        whole = self.forward(join_rows(rows))
+        out, start = [], 0
+        for r in rows:
+            end = start + r.seq_len
+            out.append(HiddenBatch(hidden=whole.hidden[start:end], input_ids=whole.input_ids[start:end],
+                                   position_ids=whole.position_ids[start:end],
+                                   doc_ids=r.doc_ids.to(self.device, non_blocking=True),
+                                   loss_mask=whole.loss_mask[start:end], num_valid_tokens=r.num_valid_tokens))
+            start = end
+        return out
 
     @torch.inference_mode()
     def check_compiled(self, probe_len: int = 512, seed: int = 0) -> float:
