@@ -70,3 +70,25 @@ def test_the_replayed_forward_equals_the_launched_one_row_after_row(compiled):
         rel = float(((g[:n] - w[:n]).float().norm(dim=-1) / w[:n].float().norm(dim=-1)).max())
         assert rel < 1e-2, rel
     assert not torch.equal(got[0], got[3])  # same documents, other tokens: the ids are the replay's own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_in_one_replayed_forward_equal_each_row_launched_alone():
+    """target.rows_per_forward=2 as the job runs it (compiled layers, the Triton kernel, the forward as
+    one CUDA graph): every row's features, its padding excluded, within bf16 rounding of the row's own
+    uncaptured forward, over two replays of the joined pair; one graph, captured once."""
+    model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
+    model.config._attn_implementation = "triton"
+    rows = [packed([1024], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1),
+            packed([300, 520, 130], 1024, 96, seed=2), packed([1024], 1024, 96, seed=3)]
+    plain = TargetWorker(model, [1, 2, 3], CUDA, compile=True)
+    want = [plain.forward(pb).hidden.clone() for pb in rows]
+    worker = TargetWorker(model, [1, 2, 3], CUDA, compile=True, cuda_graph=True)
+    got = [hb.hidden for i in (0, 2) for hb in worker.forward_rows(rows[i:i + 2])]
+    assert worker.graph.failed is None and len(worker.graph.graphs) == 1 and worker.graph.replays == 1
+    torch.cuda.synchronize()
+    for g, w, pb in zip(got, want, rows):
+        n = pb.num_valid_tokens
+        rel = float(((g[:n] - w[:n]).float().norm(dim=-1) / w[:n].float().norm(dim=-1)).max())
+        assert rel < 1e-2, rel
