@@ -163,3 +163,18 @@ def test_dump_then_train_from_files_equals_streaming(tmp_path):
     assert sorted(got) == [1, 2, 3, 4]
     for step, want in enumerate(ref["losses"], start=1):
         assert abs(got[step] - want) <= 1e-5 * abs(want), (step, got[step], want)
+
+
+def test_a_dump_forwarding_two_rows_at_a_time_writes_what_one_at_a_time_does(tmp_path):
+    """target.rows_per_forward=2 over shards of 3 and 2 rows: a shard's odd last row runs with itself
+    repeated (one shape for every forward) and is written once."""
+    cfg = dict(batches_per_shard=3, max_batches=5)
+    one = run_dump(compose(SMALL), DumpConfig(dir=str(tmp_path / "one"), **cfg))
+    two = run_dump(compose(SMALL + ["target.rows_per_forward=2"]),
+                   DumpConfig(dir=str(tmp_path / "two"), **cfg))
+    assert one["num_batches"] == two["num_batches"] == 5
+    for shard in one["shards"]:
+        a, b = load_file(tmp_path / "one" / shard["file"]), load_file(tmp_path / "two" / shard["file"])
+        assert set(a) == set(b)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-5, msg=k)

@@ -126,14 +126,15 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
             check_disk(cfg.dir, sum(needs))
         log.info("rank %d: %d batches in %d shards, %d already complete", rank, num, len(plan), len(plan) - len(todo))
         if todo:
+            per = job.target.rows_per_forward
             worker = TargetWorker.load(target_path, layer_ids, device, dtype, job.target.attn_implementation,
                                        job.target.compile, job.target.packing_check,
-                                       cuda_graph=job.target.cuda_graph)
+                                       probe_len=job.data.seq_len * per, cuda_graph=job.target.cuda_graph)
             for i in todo:
                 first, n = plan[i]
                 seek(stream, first)
                 it = iter(stream)
-                batches = [worker.forward(next(it)) for _ in range(n)]
+                batches = worker.forward_many([next(it) for _ in range(n)], per)
                 write_shard(os.path.join(cfg.dir, shard_name(rank, i)), batches, dtype,
                             {"rank": rank, "index": i, "first_batch": first, "num_batches": n})
                 log.info("rank %d: wrote shard %d/%d", rank, i + 1, len(plan))

@@ -382,6 +382,15 @@ class TargetWorker:
             start = end
         return out
 
+    def forward_many(self, rows: list[PackedBatch], per_forward: int) -> list[HiddenBatch]:
+        """`rows` through forward_rows `per_forward` at a time; the last forward's missing rows are its
+        last row repeated (their states dropped), so every forward has one shape."""
+        out = []
+        for i in range(0, len(rows), per_forward):
+            group = rows[i:i + per_forward]
+            out += self.forward_rows(group + group[-1:] * (per_forward - len(group)))[:len(group)]
+        return out
+
     @torch.inference_mode()
     def check_compiled(self, probe_len: int = 512, seed: int = 0) -> float:
         """The compiled forward against the eager one on one packed row of `probe_len` tokens (the
