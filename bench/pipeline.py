@@ -31,15 +31,53 @@ def interval_rate(rs: list[dict], skip: int, key: str = "throughput/samples_per_
     return sum(steps) / seconds, sum(steps)
 
 
+def mean(rs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rs if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def job_figures(run_dir: str, skip: int) -> dict:
+    """A dflash_mp.main run's drafter figures after step `skip`: samples/s, the steps it covers, the
+    data wait per step, the logged MFU and the recompiles after warm-up."""
+    drafter = rows(f"{run_dir}/tb/drafter/scalars.jsonl")
+    rate, steps = interval_rate(drafter, skip)
+    late = [r for r in drafter if r["step"] > skip]
+    return {"measured_samples_per_s": rate, "steps_measured": steps,
+            "drafter_wait_ms_per_step": mean(late, "comm/wait_ms"),
+            "drafter_mfu_logged": mean(late, "throughput/mfu"),
+            "recompiles_after_warmup": max((r.get("compile/recompiles", 0) for r in drafter), default=None)}
+
+
+def jobs_table(run_dirs: list[str], skip: int) -> None:
+    """`--jobs`: several runs side by side (bench/run_rows_h200.sh), into jobs.json."""
+    out = {}
+    print("run | samples/s | of 7.07 | steps | drafter wait ms/step | recompiles")
+    for d in run_dirs:
+        try:
+            f = out[d] = job_figures(d, skip)
+        except (OSError, SystemExit) as e:
+            print(f"{d} | no figure ({e})")
+            continue
+        print(f"{d} | {f['measured_samples_per_s']:.3f} | {f['measured_samples_per_s'] / 7.07:.3f} | "
+              f"{f['steps_measured']} | {f['drafter_wait_ms_per_step']} | {f['recompiles_after_warmup']}")
+    write_json(out, "jobs.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target-json", required=True, help="bench/target_forward.py output")
+    ap.add_argument("--jobs", nargs="+", help="run dirs to compare (needs neither JSON; 7.07 rows/s: the 8B "
+                                              "limit of BENCHMARKS.md)")
+    ap.add_argument("--target-json", help="bench/target_forward.py output")
     ap.add_argument("--target-variant", default="trunc-flex")
-    ap.add_argument("--drafter-json", required=True, help="bench/drafter_step.py output")
+    ap.add_argument("--drafter-json", help="bench/drafter_step.py output")
     ap.add_argument("--drafter-mode", default="default+ce=triton", help="the mode train.compile=auto runs on a GPU")
-    ap.add_argument("--run-dir", required=True, help="run_dir of the 1+1 dflash_mp.main run")
+    ap.add_argument("--run-dir", help="run_dir of the 1+1 dflash_mp.main run")
     ap.add_argument("--skip", type=int, default=20, help="steps excluded as warm-up")
     a = ap.parse_args()
+    if a.jobs:
+        return jobs_table(a.jobs, a.skip)
+    if not (a.target_json and a.drafter_json and a.run_dir):
+        ap.error("--target-json, --drafter-json and --run-dir are required (or --jobs)")
     with open(a.target_json) as f:
         tv = next(v for v in json.load(f)["variants"] if v["variant"] == a.target_variant)
     with open(a.drafter_json) as f:
@@ -47,24 +85,13 @@ def main() -> None:
     t_target, t_drafter = tv["ms"], dm["ms_per_step"]
     # The physical limit: every FLOP of both roles per row at the bf16 matmul ceiling (790 TFLOP/s).
     limit = 790 / (tv["tflop"] + dm["tflop_per_step"])
-    drafter = rows(f"{a.run_dir}/tb/drafter/scalars.jsonl")
-    target = rows(f"{a.run_dir}/tb/target/scalars.jsonl")
-    rate, steps = interval_rate(drafter, a.skip)
+    job = job_figures(a.run_dir, a.skip)
+    rate, steps = job["measured_samples_per_s"], job["steps_measured"]
     ideal = 1000 / (t_target + t_drafter)
-    late = [r for r in drafter if r["step"] > a.skip]
-    late_t = [r for r in target if r["step"] > a.skip]
-
-    def mean(rs, key):
-        vals = [r[key] for r in rs if key in r]
-        return sum(vals) / len(vals) if vals else None
-
-    out = {"t_target_ms": t_target, "t_drafter_ms": t_drafter, "ideal_samples_per_s": ideal,
-           "measured_samples_per_s": rate, "steps_measured": steps, "efficiency": rate / ideal,
-           "physical_limit_samples_per_s": limit, "share_of_limit": rate / limit,
-           "drafter_wait_ms_per_step": mean(late, "comm/wait_ms"),
-           "target_stall_ms_per_step": mean(late_t, "comm/stall_ms"),
-           "drafter_mfu_logged": mean(late, "throughput/mfu"),
-           "recompiles_after_warmup": max((r.get("compile/recompiles", 0) for r in drafter), default=None)}
+    late_t = [r for r in rows(f"{a.run_dir}/tb/target/scalars.jsonl") if r["step"] > a.skip]
+    out = {"t_target_ms": t_target, "t_drafter_ms": t_drafter, "ideal_samples_per_s": ideal, **job,
+           "efficiency": rate / ideal, "physical_limit_samples_per_s": limit, "share_of_limit": rate / limit,
+           "target_stall_ms_per_step": mean(late_t, "comm/stall_ms")}
     write_json(out, "pipeline_1gpu.json")
     print(f"\n1+1 on one GPU: t_target {t_target:.1f} ms + t_drafter {t_drafter:.1f} ms -> ideal {ideal:.3f} samples/s; "
           f"measured {rate:.3f} over {steps} steps; efficiency {rate / ideal:.3f}; {rate / limit:.3f} of the "

@@ -4,8 +4,8 @@
 #   ROWS="2 1" STEPS=80 T_JOB=330 bash bench/run_rows_h200.sh
 # The first job compiles from the Inductor cache as found (empty on a fresh machine); the later ones find
 # the drafter's graphs it compiled (the target's differ by row count). Prints per job the samples/s over
-# steps SKIP..STEPS (bench/pipeline.interval_rate), the drafter's data wait per step and the recompiles;
-# writes rows_jobs.json and each job's scalars under $OUT (or bench/results).
+# steps SKIP..STEPS (bench/pipeline.py --jobs), the drafter's data wait per step and the recompiles;
+# writes jobs.json (bench/pipeline.py --jobs) and each job's scalars under $OUT (or bench/results).
 set -u
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,26 +28,6 @@ for r in ${ROWS:-2 1}; do
         cp "$W/rows$r/tb/$role/scalars.jsonl" "$OUT/rows${r}_${role}_scalars.jsonl" 2>/dev/null
     done
 done
-python3 - "$W" "${SKIP:-20}" ${ROWS:-2 1} <<'PY' | tee -a "$LOG"
-import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
-from pipeline import interval_rate, rows  # noqa: E402
-
-w, skip, out = sys.argv[1], int(sys.argv[2]), {}
-print("rows/forward | samples/s | of 7.07 | steps | drafter wait ms/step | recompiles")
-for r in sys.argv[3:]:
-    path = os.path.join(w, f"rows{r}", "tb", "drafter", "scalars.jsonl")
-    try:
-        rs = rows(path)
-        rate, n = interval_rate(rs, skip)
-    except (OSError, SystemExit) as e:
-        print(f"{r:>12} | no figure ({e})")
-        continue
-    kept = [x for x in rs if x["step"] > skip]
-    wait = sum(x.get("comm/wait_ms", 0) for x in kept) / max(len(kept), 1)
-    rec = max((x.get("compile/recompiles", 0) for x in kept), default=0)
-    out[r] = dict(samples_per_s=rate, steps=n, wait_ms=wait, recompiles=rec)
-    print(f"{r:>12} | {rate:9.3f} | {rate / 7.07:7.3f} | {n:5d} | {wait:20.2f} | {rec}")
-json.dump(out, open(os.path.join(os.environ.get("OUT", "bench/results"), "rows_jobs.json"), "w"), indent=2)
-PY
+dirs=$(for r in ${ROWS:-2 1}; do echo "$W/rows$r"; done)
+(cd bench && python3 pipeline.py --skip "${SKIP:-20}" --jobs $dirs) 2>&1 | tee -a "$LOG"
 echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"

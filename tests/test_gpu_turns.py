@@ -202,9 +202,9 @@ def test_the_target_packs_its_next_batch_inside_its_turn(tmp_path, rows):
     run, sent = TargetRun.__new__(TargetRun), []
     run.turns = GpuTurns(path, CPU, first=True)
     run.batches, run.ahead, run.forwards, run.num_forwards = batches(), [], 1, 1 + 3 * rows  # forward 0 compiled
-    run.taken, run.rows_per_forward, run.ready = 1, rows, []
+    run.rows_per_forward, run.ready = rows, []
     run.stream = object()
-    run.worker = SimpleNamespace(forward_rows=lambda rows: [("states", pb) for pb in rows])
+    run.worker = SimpleNamespace(forward_rows=lambda rows, width: [("states", pb) for pb in rows])
     run.sender = SimpleNamespace(send=lambda dst, hb: sent.append((dst, hb)))
     run.metrics = SimpleNamespace(update=lambda pb, data: None)
     try:

@@ -190,7 +190,6 @@ class TargetRun(_RoleRun):
             self.num_forwards = (topo.num_sends(topo.rank, self.num_steps)
                                  - topo.num_sends(topo.rank, self.start))
             self.ahead: list = []  # the next forward's data rows, packed during the previous one (pack_ahead)
-            self.taken = 0  # data rows taken from the stream (next_batch, pack_ahead)
             self.rows_per_forward = job.target.rows_per_forward
             self.ready: list = []  # (HiddenBatch, its data row) forwarded with an earlier row, not sent yet
             self._stack = stack.pop_all()  # from here close() owns them
@@ -219,13 +218,14 @@ class TargetRun(_RoleRun):
         """Send `dst` its next row: `batch` (a later stage's: the previous stage's message) forwarded, or
         on a first stage the next data row, forwarded now or with an earlier one (`ready`)."""
         if not self.ready:
-            rows, real = ([batch], 1) if batch is not None else self.take_rows()
+            rows = [batch] if batch is not None else self.take_rows()
+            width = 1 if batch is not None else self.rows_per_forward
             if self.forwards == 0:  # the first forward compiles: busy, not silent
                 path = compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank)
                 out = (compile_output.to_file(path, "target compile") if self.compiled
                        else contextlib.nullcontext())
                 with self.live.during("compiling", "target forward"), out:
-                    hbs = self.worker.forward_rows(rows)
+                    self.ready = list(zip(self.worker.forward_rows(rows, width), rows))
                     if self.saves_cache:
                         compile_cache.save(self.cache_path)
                 startup_s = process_age_s()
@@ -233,27 +233,22 @@ class TargetRun(_RoleRun):
                 self.writer.add_scalar("time/startup_s", startup_s, step + 1)
             else:
                 with self.turns.turn():  # a GPU shared with a drafter: the forward runs alone on it
-                    hbs = self.worker.forward_rows(rows)
+                    self.ready = list(zip(self.worker.forward_rows(rows, width), rows))
                     self.pack_ahead()  # on the CPU, while the GPU runs the forward
-            self.ready = list(zip(hbs, rows))[:real]  # a repeated last row (take_rows) is not sent
         hb, pb = self.ready.pop(0)
         self.forwards += 1
         self.sender.send(dst, hb)
         self.metrics.update(pb, data=self.stream is not None)
 
-    def take_rows(self) -> tuple[list, int]:
-        """The next forward's data rows (`target.rows_per_forward`) and how many of them are real: past the
-        run's last row the last one is repeated, so every forward has the shape the first compiled."""
-        real = min(self.rows_per_forward, self.num_forwards - self.forwards)
-        rows = [self.next_batch() for _ in range(real)]
-        return rows + rows[-1:] * (self.rows_per_forward - real), real
+    def take_rows(self) -> list:
+        """The next forward's data rows: `target.rows_per_forward` of them, fewer past the run's last row
+        (forward_rows makes the forward up to its width)."""
+        n = min(self.rows_per_forward, self.num_forwards - self.forwards)
+        return [self.next_batch() for _ in range(n)]
 
     def next_batch(self):
         """The next packed data batch: the one `pack_ahead` packed, else a new one."""
-        if self.ahead:
-            return self.ahead.pop(0)
-        self.taken += 1
-        return next(self.batches)
+        return self.ahead.pop(0) if self.ahead else next(self.batches)
 
     def pack_ahead(self) -> None:
         """Pack the next forward's data rows now, inside the turn, if another forward follows this one.
@@ -263,10 +258,10 @@ class TargetRun(_RoleRun):
         the two alternated with the ring empty, the drafter waiting a whole forward for each batch
         (BENCHMARKS.md, calls Z5 and Z9; `GpuTurns.first` is the other half of the mend). Packed here,
         the target asks for its next turn right after the send."""
+        # Rows taken from the stream so far: sent, forwarded and waiting (`ready`), packed ahead.
         while (self.batches is not None and len(self.ahead) < self.rows_per_forward
-               and self.taken < self.num_forwards):
+               and self.forwards + len(self.ready) + len(self.ahead) < self.num_forwards):
             self.ahead.append(next(self.batches))
-            self.taken += 1
 
     def finish(self, end: int) -> None:
         rank = self.ctx.topo.rank

@@ -361,17 +361,20 @@ class TargetWorker:
         )
 
     @torch.inference_mode()
-    def forward_rows(self, rows: list[PackedBatch]) -> list[HiddenBatch]:
+    def forward_rows(self, rows: list, width: int = 1) -> list[HiddenBatch]:
         """Several packed rows in one forward (`target.rows_per_forward`, a first stage only): laid end to
         end as one row whose documents stay apart (batch.join_rows), so each row's captured states are
         its own forward's, within the kernels' rounding; the matmuls get rows x T rows each, where one
-        row's T = 3072 leaves an 8B target's below the GPU's best. One HiddenBatch per row."""
-        if len(rows) == 1:
+        row's T = 3072 leaves an 8B target's below the GPU's best. Fewer than `width` rows are made up
+        with the last row repeated, so every forward has one shape; one HiddenBatch per row given (a
+        repeat's states are dropped). A single row may be a later stage's HiddenBatch."""
+        if width == 1 and len(rows) == 1:
             return [self.forward(rows[0])]
         if not self.first_stage:
             raise ValueError("forward_rows takes packed data rows, a first stage's (target.rows_per_forward "
                              "> 1 needs target.stages=1)")
-        whole = self.forward(join_rows(rows))
+        full = rows + rows[-1:] * (width - len(rows))
+        whole = self.forward(join_rows(full))
         out, start = [], 0
         for r in rows:
             end = start + r.seq_len
@@ -383,13 +386,9 @@ class TargetWorker:
         return out
 
     def forward_many(self, rows: list[PackedBatch], per_forward: int) -> list[HiddenBatch]:
-        """`rows` through forward_rows `per_forward` at a time; the last forward's missing rows are its
-        last row repeated (their states dropped), so every forward has one shape."""
-        out = []
-        for i in range(0, len(rows), per_forward):
-            group = rows[i:i + per_forward]
-            out += self.forward_rows(group + group[-1:] * (per_forward - len(group)))[:len(group)]
-        return out
+        """`rows` through forward_rows `per_forward` at a time (the last forward's made up to that width)."""
+        return [hb for i in range(0, len(rows), per_forward)
+                for hb in self.forward_rows(rows[i:i + per_forward], per_forward)]
 
     @torch.inference_mode()
     def check_compiled(self, probe_len: int = 512, seed: int = 0) -> float:
