@@ -17,8 +17,6 @@ descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward re
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
-`-fuse` / `-nofuse` (before `-graph`): the compiled layers run q/k/v and gate/up as one GEMM each, or
-as separate GEMMs (TargetWorker's fuse_projections; neither: its default), e.g. `trunc-triton-compiled-fuse-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
 Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
 template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
@@ -30,7 +28,6 @@ Every truncated variant's captured hidden states are compared with the first tru
 from __future__ import annotations
 
 import argparse
-import inspect
 import re
 import sys
 
@@ -43,7 +40,6 @@ from dflash_mp.flops import causal_pairs_packed, target_forward_flops
 from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
-FUSE = inspect.signature(TargetWorker).parameters["fuse_projections"].default
 
 
 def main() -> None:
@@ -114,8 +110,7 @@ def main() -> None:
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      defer_residual="-nodefer" not in v, compile_options=options,
-                                      fuse_projections="-fuse" in v or ("-nofuse" not in v and FUSE))
+                                      defer_residual="-nodefer" not in v, compile_options=options)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

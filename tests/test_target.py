@@ -85,18 +85,16 @@ def test_compiled_target_runs_flex_outside_the_graph_and_matches_eager(tmp_path)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("layers", [None, (0, 3), (3, 6)])
-def test_compiled_layers_hand_on_their_residual_and_capture_what_eager_does(tmp_path, layers, fuse):
+def test_compiled_layers_hand_on_their_residual_and_capture_what_eager_does(tmp_path, layers):
     """Compiled layer by layer, Llama-laid-out layers hand the next one (residual, delta) (DeferredAdd):
     the captured layers (the first, middle ones, the model's last after its final norm) and, on a
     stage before the last, the residual stream it passes on, equal the eager forward's; on a later
-    stage the previous stages' columns pass through. With their projections fused (`fuse`) too."""
+    stage the previous stages' columns pass through."""
     model = tiny_model(tmp_path)
     truncate(model, 5)
     cpu = torch.device("cpu")
-    worker = TargetWorker(model, [0, 2, 3, 5], cpu, compile=True, layers=layers, fuse_projections=fuse)
-    assert worker.fused == fuse
+    worker = TargetWorker(model, [0, 2, 3, 5], cpu, compile=True, layers=layers)
     assert worker.deferred and not TargetWorker(model, [0, 2, 3, 5], cpu, compile=True, layers=layers,
                                                 defer_residual=False).deferred
     pb = packed([7, 12, 5], 32)
@@ -136,63 +134,6 @@ def test_a_layer_whose_arithmetic_differs_is_compiled_as_it_is(tmp_path, caplog)
         assert worker.check_compiled(64) < 1e-5
     assert "layer 0 run with its residual add deferred to the next layer differs" in caplog.text
     assert worker.compiled and not worker.deferred
-    pb = packed([10, 6], 20)
-    torch.testing.assert_close(worker.forward(pb).hidden, TargetWorker(model, [1, 3], torch.device("cpu"))
-                               .forward(pb).hidden, rtol=1e-5, atol=1e-6)
-
-
-def test_fused_projections_compute_what_the_layer_does_on_the_same_weights(tmp_path):
-    """DeferredAdd's `fuse`: q/k/v as one linear and gate/up as one, the projections' weights views of
-    the fused ones (no memory added), the layer's own forward unchanged bit for bit, and the fused
-    layer's outputs those of the unfused one to fp32 rounding."""
-    from dflash_mp.target.worker import DeferredAdd
-
-    model = tiny_model(tmp_path)
-    truncate(model, 3)
-    worker = TargetWorker(model, [1, 3], torch.device("cpu"))
-    pb = packed([10, 6], 20)
-    h, pos, rope = worker.embed(pb.input_ids, pb.position_ids)
-    masks = worker.masks(pb.doc_ids)
-    layer = model.get_decoder().layers[1]
-    args = (h, torch.zeros_like(h), masks["full_attention"], pos, rope)
-    before = layer(h, attention_mask=masks["full_attention"], position_ids=pos, position_embeddings=rope)
-    apart = DeferredAdd(layer)(*args)
-    fused = DeferredAdd(layer, fuse=True)
-    assert fused.fused
-    attn, mlp = layer.self_attn, layer.mlp
-    assert fused.qkv.weight.shape == (32 + 2 * 16, 32) and fused.gate_up.weight.shape == (2 * 64, 32)
-    for p, whole in [(attn.q_proj, fused.qkv), (attn.v_proj, fused.qkv), (mlp.up_proj, fused.gate_up)]:
-        assert p.weight.untyped_storage().data_ptr() == whole.weight.untyped_storage().data_ptr()
-    after = layer(h, attention_mask=masks["full_attention"], position_ids=pos, position_embeddings=rope)
-    assert torch.equal(after[0] if isinstance(after, tuple) else after, before[0] if isinstance(before, tuple)
-                       else before)
-    for got, want in zip(fused(*args), apart):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-
-
-def test_an_attention_that_reads_its_input_otherwise_is_compiled_unfused(tmp_path, caplog, monkeypatch):
-    """An attention module that uses its input besides through q/k/v_proj (here it adds it to its
-    output) cannot be handed the fused q/k/v: the load check finds the fused layer off its own forward,
-    warns, and compiles the layers deferred but unfused; the compiled features equal the eager ones."""
-    import logging
-
-    from transformers.models.qwen3 import modeling_qwen3
-
-    own = modeling_qwen3.Qwen3Attention.forward
-
-    def reads_input(self, hidden_states, *args, **kwargs):
-        out, weights = own(self, hidden_states, *args, **kwargs)
-        return out + hidden_states[..., :out.shape[-1]], weights
-
-    monkeypatch.setattr(modeling_qwen3.Qwen3Attention, "forward", reads_input)
-    model = tiny_model(tmp_path)
-    truncate(model, 3)
-    worker = TargetWorker(model, [1, 3], torch.device("cpu"), compile=True, fuse_projections=True)
-    assert worker.deferred and worker.fused
-    with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
-        assert worker.check_compiled(64) < 1e-5
-    assert "layer 0 with q/k/v and gate/up fused differs from its own forward" in caplog.text
-    assert worker.compiled and worker.deferred and not worker.fused
     pb = packed([10, 6], 20)
     torch.testing.assert_close(worker.forward(pb).hidden, TargetWorker(model, [1, 3], torch.device("cpu"))
                                .forward(pb).hidden, rtol=1e-5, atol=1e-6)

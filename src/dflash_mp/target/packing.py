@@ -61,11 +61,10 @@ class ProbeRow:
         self.spans = worker.spans(docs)
         self.rope = worker.rope(like, self.pos)
 
-    def run(self, worker, i: int, h: torch.Tensor, compiled: bool = False, deferred: bool | None = None,
-            fused: bool = False) -> torch.Tensor:
+    def run(self, worker, i: int, h: torch.Tensor, compiled: bool = False, deferred: bool | None = None
+            ) -> torch.Tensor:
         with documents(self.spans):
-            return worker.run_layer(i, h, self.pos, self.rope, self.masks, compiled=compiled,
-                                    deferred=deferred, fused=fused)
+            return worker.run_layer(i, h, self.pos, self.rope, self.masks, compiled=compiled, deferred=deferred)
 
 
 @torch.inference_mode()

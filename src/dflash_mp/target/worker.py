@@ -9,7 +9,6 @@ head are dropped at load and never run.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -41,53 +40,6 @@ COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
 PLAIN_LAYER = frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"})
 
 
-QKV = ("q_proj", "k_proj", "v_proj")
-GATE_UP = ("gate_proj", "up_proj")
-
-
-class Take(nn.Module):
-    """Columns [start, end) of a fused projection's output, standing in for the projection they came from."""
-
-    def __init__(self, start: int, end: int):
-        super().__init__()
-        self.start, self.end = start, end
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[..., self.start:self.end]
-
-    def extra_repr(self) -> str:
-        return f"columns [{self.start}, {self.end})"
-
-
-def fuse_linears(module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Linear, nn.Module] | None:
-    """The projections `names` of `module` (plain nn.Linear, one input size, all with a bias or none) as
-    one linear, and a shallow copy of `module` whose projections take their columns of its output
-    (Take): the copy is handed the fused output where the module is handed its input. The projections'
-    weights become views of the fused one, so no memory is added and the module's own forward runs
-    as before. None where the module has no such projections."""
-    parts = [getattr(module, n, None) for n in names]
-    if ("forward" in vars(module)  # a forward bound to the module itself would run it, not the copy
-            or not all(type(p) is nn.Linear for p in parts) or len({p.in_features for p in parts}) > 1
-            or len({p.bias is None for p in parts}) > 1 or len({p.weight.dtype for p in parts}) > 1):
-        return None
-    bias = parts[0].bias is not None
-    outs = [p.out_features for p in parts]
-    fused = nn.Linear(parts[0].in_features, sum(outs), bias=bias, device="meta")
-    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-    if bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-    routed = copy.copy(module)
-    routed._modules = dict(module._modules)
-    start = 0
-    for name, p, n in zip(names, parts, outs):
-        p.weight = nn.Parameter(fused.weight[start:start + n], requires_grad=False)
-        if bias:
-            p.bias = nn.Parameter(fused.bias[start:start + n], requires_grad=False)
-        routed._modules[name] = Take(start, start + n)
-        start += n
-    return fused, routed
-
-
 class DeferredAdd(nn.Module):
     """Decoder layer laid out as Llama's, run with its last residual add left to the next layer.
 
@@ -100,37 +52,19 @@ class DeferredAdd(nn.Module):
     the same values in the same order, so the outputs are bit-identical (TargetWorker.check_compiled
     checks that at load); compiled, the norm reads the sum before its bf16 rounding, as Inductor's
     fused add and norm after attention already do (the 8B target's captured layers move by bf16
-    noise, BENCHMARKS.md).
+    noise, BENCHMARKS.md)."""
 
-    `fuse`: q/k/v run as one GEMM and gate/up as one (fuse_linears), where the layer's attention and
-    MLP have them: at one packed row (M = 3072) the 8B target's separate k and v GEMMs (N = 1024) run
-    well below the GPU's best. The attention and MLP modules run their own forwards on the fused
-    output. The GEMMs may round otherwise than the separate ones (TargetWorker.check_compiled compares
-    the two)."""
-
-    def __init__(self, layer: nn.Module, fuse: bool = False):
+    def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
-        self.qkv = self.gate_up = None
-        if fuse and (qkv := fuse_linears(layer.self_attn, QKV)) is not None:
-            self.qkv, self.attn = qkv
-        if fuse and (gate_up := fuse_linears(layer.mlp, GATE_UP)) is not None:
-            self.gate_up, self.mlp = gate_up
-
-    @property
-    def fused(self) -> bool:
-        return self.qkv is not None or self.gate_up is not None
 
     def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
         h = residual + delta  # the previous layer's output
         layer = self.layer
-        x = layer.input_layernorm(h)
-        attn, x = (layer.self_attn, x) if self.qkv is None else (self.attn, self.qkv(x))
-        a = attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                 position_embeddings=position_embeddings)[0]
+        a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=attention_mask,
+                            position_ids=position_ids, position_embeddings=position_embeddings)[0]
         mid = h + a
-        x = layer.post_attention_layernorm(mid)
-        m = layer.mlp(x) if self.gate_up is None else self.mlp(self.gate_up(x))
+        m = layer.mlp(layer.post_attention_layernorm(mid))
         return h, mid, (m[0] if isinstance(m, tuple) else m)
 
 
@@ -179,9 +113,6 @@ class TargetWorker:
     (residual, delta) pair and it adds them inside its input norm (DeferredAdd): one pass over the
     residual stream less per layer (0.6 ms of an 8B forward). Checked at load (check_compiled).
 
-    `fuse_projections`: deferred layers also run q/k/v as one GEMM and gate/up as one (DeferredAdd's
-    `fuse`), checked at load against the layers' own forwards (check_compiled).
-
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
     """
@@ -189,7 +120,7 @@ class TargetWorker:
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
                  compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
-                 compile_options: dict | None = None, fuse_projections: bool = False):
+                 compile_options: dict | None = None):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -245,9 +176,6 @@ class TargetWorker:
         self.compile_options = {**COMPILE_OPTIONS, **(compile_options or {})}
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
         self.deferred = False  # the compiled layers are DeferredAdds
-        self.fuse = fuse_projections  # ... with their projections fused, where they have them
-        self.fused = False
-        self._deferred: dict[int, DeferredAdd] = {}
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
@@ -311,25 +239,20 @@ class TargetWorker:
 
     def _compile_layers(self) -> None:
         first, end = self.stage_layers
-        layers = self.decoder.layers
-        self._deferred = ({i: DeferredAdd(layers[i], self.fuse) for i in range(first, end)} if self.deferred
-                          else {})
-        self.fused = any(d.fused for d in self._deferred.values())
-        self._calls = [torch.compile(self._deferred.get(i, m), dynamic=False, options=self.compile_options)
-                       if first <= i < end else m for i, m in enumerate(layers)]
+        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False,
+                                     options=self.compile_options)
+                       if first <= i < end else m for i, m in enumerate(self.decoder.layers)]
 
     # ------------------------------------------------------------------------------------ forward
     def run_layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, rope, masks: dict, compiled: bool = False,
-                  deferred: bool | None = None, fused: bool = False) -> torch.Tensor:
+                  deferred: bool | None = None) -> torch.Tensor:
         """Decoder layer i on h [1, T, H] (position ids [1, T], RoPE tables, masks by layer type); eager
         unless `compiled` (probes of other shapes never compile). `deferred`: run it as a DeferredAdd
-        handed (h, 0) (default: as the forward runs it); eager, with its projections unfused unless
-        `fused` (then as the compiled layer runs them)."""
+        handed (h, 0) (default: as the forward runs it)."""
         mask = masks[self.layer_types[i]]
         deferred = self.deferred and compiled if deferred is None else deferred
         if deferred:
-            layer = (self._calls[i] if compiled else self._deferred[i] if fused
-                     else DeferredAdd(self._eager_calls[i]))
+            layer = self._calls[i] if compiled else DeferredAdd(self._eager_calls[i])
             _, mid, delta = layer(h, torch.zeros_like(h), mask, pos, rope)
             return mid + delta
         layer = (self._calls if compiled else self._eager_calls)[i]
@@ -483,7 +406,6 @@ class TargetWorker:
         "forward"`) is compared whole."""
         from .packing import ProbeRow, per_token_rel, probe_row
 
-        tol = 1e-3 if self.dtype == torch.float32 else 0.1
         lens = [probe_len // 3, probe_len // 2, probe_len - probe_len // 3 - probe_len // 2]
         x, pos, docs = probe_row(self, lens, torch.Generator().manual_seed(seed))
         x = x.to(self.device)
@@ -495,33 +417,27 @@ class TargetWorker:
             rel = float(per_token_rel(got[None], want[None]).mean())
         else:
             h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
-            rel = self._check_layers(ProbeRow(self, docs, pos, h), h, tol / 10)
+            rel = self._check_layers(ProbeRow(self, docs, pos, h), h)
+        tol = 1e-3 if self.dtype == torch.float32 else 0.1
         name = type(self.model).__name__
         if not rel <= tol:
             log.warning("target %s: the compiled forward's features differ from the eager ones by %.2e per token "
                         "(mean relative, tolerance %.0e): running the target eager. target.compile=false "
                         "skips the compile and this check.", name, rel, tol)
             self.compiled, self._run, self._calls, self.deferred = False, self._forward, self._eager_calls, False
-            self.fused = False
             # The graph captures `_calls` as they are when it first runs, after this: eager layers now.
         else:
             log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)%s", name,
                      *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol,
-                     ("; each layer's last residual add runs in the next one's input norm" if self.deferred
-                      else "")
-                     + ("; q/k/v and gate/up run as one GEMM each" if self.fused else ""))
+                     "; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
         return rel
 
-    def _check_layers(self, row, h: torch.Tensor, fuse_tol: float) -> float:
+    def _check_layers(self, row, h: torch.Tensor) -> float:
         """check_compiled layer by layer from the probe row's input h: the largest mean relative
         difference per token of a compiled layer from its eager output. Deferred, each layer run eager as
         a DeferredAdd must also give its own forward's output bit for bit (a layer with Llama's
         submodules but other arithmetic, e.g. a scaled residual, does not); where one does not, the
-        layers are compiled as they are, warned, and checked again from the start. With its projections
-        fused, its eager output must be within `fuse_tol` of its own forward's (rounding: the GEMMs
-        accumulate as they like; an attention module that uses its input otherwise than through
-        q/k/v_proj is far off); where one is not, the layers are compiled unfused, warned, and checked
-        again."""
+        layers are compiled as they are, warned, and checked again from the start."""
         from .packing import per_token_rel
 
         rel, h0 = 0.0, h
@@ -532,17 +448,7 @@ class TargetWorker:
                             "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
                 self.deferred = False
                 self._compile_layers()
-                return self._check_layers(row, h0, fuse_tol)
-            if i in self._deferred and self._deferred[i].fused:
-                off = float(per_token_rel(row.run(self, i, h, deferred=True, fused=True), want).mean())
-                if not off <= fuse_tol:
-                    log.warning("target %s: layer %d with q/k/v and gate/up fused differs from its own forward "
-                                "by %.2e per token (tolerance %.0e); compiling the layers with their projections "
-                                "apart",
-                                type(self.model).__name__, i, off, fuse_tol)
-                    self.fuse = False
-                    self._compile_layers()
-                    return self._check_layers(row, h0, fuse_tol)
+                return self._check_layers(row, h0)
             rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
             h = want
         return rel
