@@ -30,7 +30,8 @@ class TargetConfig:
     stages: int = 1
     # Packed rows per forward: >1 lays that many rows end to end in one forward (their documents kept
     # apart), so each matmul gets rows x data.seq_len rows; the drafters still get one row per message.
-    # Needs target.stages=1.
+    # Needs target.stages=1. For an 8B target on an H100/H200 it gains nothing (its GEMMs run no faster
+    # at 6144 rows than at 3072, BENCHMARKS.md); a small target, whose GEMMs at one row are, may.
     rows_per_forward: int = 1
 
 
