@@ -6,7 +6,7 @@ layer's GEMMs (`torch.nn.functional.linear`, bf16, the weights' `[out, in]` layo
 row), 6144 (two rows a forward) and 8192, and beside them q/k/v and gate/up as single GEMMs, so the
 gain of more rows a forward (or of fused projections) is known before it is built:
 
-    python bench/gemm_rows.py [--rows 3072,6144,8192] [--iters 50]   (from bench/)
+    python bench/gemm_rows.py [--rows 3072,6144,8192] [--iters 50] [--target Qwen/Qwen3-4B]   (from bench/)
 
 Prints a table (ms per layer, TFLOP/s, the 34-layer forward's matmul ms per row) and writes
 gemm_rows.json under $OUT (or bench/results)."""
@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from common import QWEN3_8B_TARGET, median, sync, timed, write_json
+from dflash_mp.archs import known_target_config
+from dflash_mp.target import default_layer_ids
 
 CEILING = 790e12
-LAYERS = 34  # the 8B target forward stops after layer 33
 REPEAT = 10
 
 
@@ -42,11 +43,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="3072,6144,8192")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--target", default="Qwen/Qwen3-8B", help="a hub id of dflash_mp.archs' table: its layer shapes")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (e.g. --rows 32 --iters 2)")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    shapes = layer_gemms(QWEN3_8B_TARGET)
-    every = {**shapes, **fused_gemms(QWEN3_8B_TARGET)}
+    config = known_target_config(args.target) or QWEN3_8B_TARGET
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    layers = max(default_layer_ids(config["num_hidden_layers"], 5)) + 1  # the forward stops at the last captured
+    shapes = layer_gemms(config)
+    every = {**shapes, **fused_gemms(config)}
     weights = {n: torch.randn(o, i, device=dev, dtype=torch.bfloat16) * 0.02 for n, (i, o) in every.items()}
     result = {}
     for m in (int(r) for r in args.rows.split(",")):
@@ -66,10 +71,12 @@ def main() -> None:
         whole = median(timed(lambda: [layer() for _ in range(REPEAT)], args.iters, dev)) / REPEAT
         flop = sum(2 * m * i * o for i, o in shapes.values())
         result[m] = dict(per_gemm=per, layer_ms=whole, tflops=flop / whole / 1e9, mfu=flop / whole / 1e-3 / CEILING,
-                         forward_matmul_ms_per_3072=whole * LAYERS * 3072 / m)
+                         forward_matmul_ms_per_3072=whole * layers * 3072 / m)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    write_json(dict(device=name, torch=torch.__version__, rows=result), "gemm_rows.json")
-    print("rows  | layer ms | TFLOP/s | MFU   | 34-layer matmul ms per 3072 tokens | per GEMM TFLOP/s")
+    write_json(dict(device=name, torch=torch.__version__, target=args.target, rows=result),
+               f"gemm_rows_{args.target.split('/')[-1]}.json")
+    print(f"{args.target}: {layers} layers")
+    print(f"rows  | layer ms | TFLOP/s | MFU   | {layers}-layer matmul ms per 3072 tokens | per GEMM TFLOP/s")
     for m, r in result.items():
         per = " ".join(f"{n}={v['tflops']:.0f}" for n, v in r["per_gemm"].items())
         print(f"{m:5d} | {r['layer_ms']:8.3f} | {r['tflops']:7.0f} | {r['mfu']:.3f} | "
