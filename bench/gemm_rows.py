@@ -8,8 +8,8 @@ gain of more rows a forward (or of fused projections) is known before it is buil
 
     python bench/gemm_rows.py [--rows 3072,6144,8192] [--iters 50] [--target Qwen/Qwen3-4B]   (from bench/)
 
-Prints a table (ms per layer, TFLOP/s, the 34-layer forward's matmul ms per row) and writes
-gemm_rows.json under $OUT (or bench/results)."""
+Prints a table (ms per layer, TFLOP/s, the truncated forward's matmul ms per row) and writes
+gemm_rows_<target name>.json (gemm_rows_Qwen3-8B.json by default) under $OUT (or bench/results)."""
 
 from __future__ import annotations
 
