@@ -1,4 +1,5 @@
-"""How fast cuBLAS runs a dense target's layer GEMMs (Qwen3-8B's by default) at the row counts a forward could give them.
+"""How fast cuBLAS runs a dense target's layer GEMMs (Qwen3-8B's by default) at the row counts a
+forward could give them.
 
 The target forward runs one packed row (T = 3072 tokens) at a time, and its matmuls ran at ~0.90 of
 the 790 TFLOP/s ceiling where the drafter's (8,192 block tokens) ran at ~0.95. This times one
