@@ -218,14 +218,13 @@ class TargetRun(_RoleRun):
         """Send `dst` its next row: `batch` (a later stage's: the previous stage's message) forwarded, or
         on a first stage the next data row, forwarded now or with an earlier one (`ready`)."""
         if not self.ready:
-            rows = [batch] if batch is not None else self.take_rows()
-            width = 1 if batch is not None else self.rows_per_forward
+            rows, width = ([batch], 1) if batch is not None else (self.take_rows(), self.rows_per_forward)
             if self.forwards == 0:  # the first forward compiles: busy, not silent
                 path = compile_output.output_path(self.ctx.job.run_dir, self.ctx.topo.rank)
                 out = (compile_output.to_file(path, "target compile") if self.compiled
                        else contextlib.nullcontext())
                 with self.live.during("compiling", "target forward"), out:
-                    self.ready = list(zip(self.worker.forward_rows(rows, width), rows))
+                    self.forward_rows(rows, width)
                     if self.saves_cache:
                         compile_cache.save(self.cache_path)
                 startup_s = process_age_s()
@@ -233,12 +232,16 @@ class TargetRun(_RoleRun):
                 self.writer.add_scalar("time/startup_s", startup_s, step + 1)
             else:
                 with self.turns.turn():  # a GPU shared with a drafter: the forward runs alone on it
-                    self.ready = list(zip(self.worker.forward_rows(rows, width), rows))
+                    self.forward_rows(rows, width)
                     self.pack_ahead()  # on the CPU, while the GPU runs the forward
         hb, pb = self.ready.pop(0)
         self.forwards += 1
         self.sender.send(dst, hb)
         self.metrics.update(pb, data=self.stream is not None)
+
+    def forward_rows(self, rows: list, width: int) -> None:
+        """One forward over `rows`; each row's HiddenBatch waits in `ready` with its data row."""
+        self.ready = list(zip(self.worker.forward_rows(rows, width), rows))
 
     def take_rows(self) -> list:
         """The next forward's data rows: `target.rows_per_forward` of them, fewer past the run's last row
