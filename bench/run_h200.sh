@@ -16,10 +16,8 @@
 #             the parts alone: $PIPE_DRAFTER_MODE of the drafter part's JSON, the target part's JSON or
 #             $PIPE_TARGET_JSON's $PIPE_TARGET_VARIANT, else a target run of its own)
 # A warm Inductor cache (TORCHINDUCTOR_CACHE_DIR) turns minutes of kernel compilation into seconds.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 PIPE=${PIPE:-/tmp/dflash_pipe}
 LOG="$OUT/run_h200.log"
 PARTS=${*:-warm tests ce drafter tiles target doctiles small pipeline}
@@ -32,7 +30,6 @@ export OUT
 mkdir -p "$PIPE"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 warm_jobs=()
 if has warm; then  # throw-away runs whose only product is the Inductor cache (for the parts asked for)
     W=$(mktemp -d)
@@ -79,8 +76,7 @@ if has pipeline; then  # at the preset's defaults (compiled target, GPU turns), 
         TJ="$PIPE/target_qwen3_8b.json"
         step target_alone 150 env OUT="$PIPE" python3 bench/target_forward.py --variants trunc-triton-compiled-graph --steps 20
     fi
-    python3 -m dflash_mp.builtin make-data make_data.out="$PIPE/long_chats.jsonl" make_data.num=600 \
-        make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
+    long_chats "$PIPE/long_chats.jsonl" 600
     for turns in ${PIPE_TURNS:-auto off}; do  # off: the second run finds the first's compiled graphs
         step "pipeline_1p1_turns_$turns" "${T_PIPE:-220}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
             experiment=qwen3_8b target.path=builtin:random-qwen3-8b topology.gpu_turns="$turns" \

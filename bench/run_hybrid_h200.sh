@@ -12,18 +12,15 @@
 #            has no dense width to copy), 1 + 1 on the GPU ($JOB35_ARGS adds overrides)
 # Results under $OUT (the lent machine) or bench/results: run_hybrid.log, hybrid_targets.json, and
 # hybrid_runs.tgz (each job's rank logs and scalars). Wheels: ../shared/device/prepare.sh, carry .whl.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/root/hybrid_inductor}  # kept while the machine is
-OUT="${OUT:-$PWD/bench/results}"
 W=${W:-/root/hybrid_work}
 LOG="$OUT/run_hybrid.log"
 PARTS=${*:-tests job27}
 mkdir -p "$W" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 job() {  # job NAME SECONDS OVERRIDES...: the training job, 1 target + 1 drafter on the GPU
     local name=$1 limit=$2
     shift 2
@@ -33,8 +30,7 @@ job() {  # job NAME SECONDS OVERRIDES...: the training job, 1 target + 1 drafter
     grep -hE "packs exactly|attention|first step|recompile|samples/s|step +[0-9]+ " "$W/$name"/logs/rank_*.log \
         2>/dev/null | cut -c1-220 | tail -40 >> "$LOG"
 }
-[ -f "$W/long_chats.jsonl" ] || python3 -m dflash_mp.builtin make-data make_data.out="$W/long_chats.jsonl" \
-    make_data.num=400 make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
+long_chats "$W/long_chats.jsonl" 400
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOG"
 python3 -c "import fla, torch, transformers, triton; print('fla', fla.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'triton', triton.__version__)" >> "$LOG" 2>&1

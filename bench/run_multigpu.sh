@@ -8,11 +8,9 @@
 #   splits  the production job on every split of the lent GPUs, warm cache (RUN_SPLITS below)
 #   plan    the planner's prediction, estimated and measured (plan.measure=true), for the same GPUs
 # Each job's run dir and log go to $WORK; per-run figures to $OUT/splits.json (bench/splits.py).
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.indcache}
-OUT="${OUT:-$PWD/bench/results}"
 WORK=${WORK:-$PWD/.mgpu}
 PARTS=${*:-tests ring cold splits plan}
 STEPS=${STEPS:-110}
@@ -20,15 +18,13 @@ LOG="$OUT/run_multigpu.log"
 mkdir -p "$WORK" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 step_json() {  # step_json NAME SECONDS CMD...: step, and its rc and wall time into $WORK/rc.jsonl
     local name=$1 t=$SECONDS
     step "$@"
     echo "{\"name\": \"$name\", \"rc\": $STEP_RC, \"wall_s\": $((SECONDS - t))}" >> "$WORK/rc.jsonl"
 }
 DATA="$WORK/long_chats.jsonl"
-[ -f "$DATA" ] || python3 -m dflash_mp.builtin make-data make_data.out="$DATA" make_data.num=600 make_data.turns=48 \
-    make_data.seed=1 >> "$LOG" 2>&1
+long_chats "$DATA" 600
 JOB=(experiment=qwen3_8b target.path=builtin:random-qwen3-8b data.path="$DATA" train.max_steps="$STEPS"
      logging.log_every=10 logging.progress=false checkpoint.every=0)
 job() {  # job NAME LIMIT NPROC [OVERRIDES...]: one production run, its dir kept for splits.py

@@ -6,17 +6,13 @@
 # the drafter's graphs it compiled (the target's differ by row count). Prints per job the samples/s over
 # steps SKIP..STEPS (bench/pipeline.py --jobs), the drafter's data wait per step and the recompiles;
 # writes jobs.json (bench/pipeline.py --jobs) and each job's scalars under $OUT (or bench/results).
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 W=${W:-/tmp/dflash_rows}
 LOG="$OUT/run_rows.log"
 mkdir -p "$W" "$OUT"
 t0=$SECONDS
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
-[ -f "$W/long_chats.jsonl" ] || python3 -m dflash_mp.builtin make-data make_data.out="$W/long_chats.jsonl" \
-    make_data.num=600 make_data.turns=48 make_data.seed=1 >> "$LOG" 2>&1
+long_chats "$W/long_chats.jsonl" 600
 for r in ${ROWS:-2 1}; do
     step "job_rows$r" "${T_JOB:-330}" torchrun --standalone --nproc-per-node 2 -m dflash_mp.main \
         experiment=qwen3_8b target.path=builtin:random-qwen3-8b data.path="$W/long_chats.jsonl" \

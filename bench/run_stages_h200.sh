@@ -4,18 +4,14 @@
 #   bash bench/run_stages_h200.sh
 # Then each stage's forward alone (its busy fraction = that time x the staged run's samples/s) and the
 # summary table. JSON + logs go to $OUT (the lent machine) or bench/results.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
-OUT="${OUT:-$PWD/bench/results}"
 W=${W:-/tmp/dflash_stages}
 LOG="$OUT/stages.log"
 mkdir -p "$OUT" "$W"
 t0=$SECONDS
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
-python3 -m dflash_mp.builtin make-data make_data.out="$W/long_chats.jsonl" make_data.num=600 make_data.turns=48 \
-    make_data.seed=1 >> "$LOG" 2>&1
+long_chats "$W/long_chats.jsonl" 600
 JOB="experiment=qwen3_8b target.path=builtin:random-qwen3-8b target.compile=${TARGET_COMPILE:-false}
      data.path=$W/long_chats.jsonl train.max_steps=${STEPS:-80} logging.log_every=10 logging.progress=false
      checkpoint.every=0 checkpoint.overwrite=true"

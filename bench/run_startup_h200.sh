@@ -8,24 +8,20 @@
 #   followers  the same job with 1 target + 2 drafters on the GPU: one drafter compiles, the other loads
 #   tests      tests/test_compile_cache_gpu.py (zero FX/AOT misses after a restart into empty caches)
 # Results under $OUT (or bench/results): run_startup.log, startup.json, each run's drafter scalars.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step, long_chats
+bench_env
 W=${W:-/root/startup_work}
 LOG="$OUT/run_startup.log"
 PARTS=${*:-job8 followers tests}
 mkdir -p "$W" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 fresh() {  # fresh NAME: empty compile caches, as on a node that never ran the job
     export TORCHINDUCTOR_CACHE_DIR="$W/inductor_$1" TRITON_CACHE_DIR="$W/triton_$1"
     rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 }
 DATA="$W/long_chats.jsonl"
-[ -f "$DATA" ] || python3 -m dflash_mp.builtin make-data make_data.out="$DATA" make_data.num=600 make_data.turns=48 \
-    make_data.seed=1 >> "$LOG" 2>&1
+long_chats "$DATA" 600
 # $EXP replaces the preset (a CPU dry run of this script: EXP="train.compile=eager")
 JOB=(${EXP:-experiment=qwen3_8b target.path=builtin:random-qwen3-8b} data.path="$DATA" logging.log_every=10
      logging.progress=false)
