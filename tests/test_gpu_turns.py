@@ -50,6 +50,30 @@ def test_two_drafters_on_one_gpu_never_take_turns():
     assert decide(topo(2, 3, 4, gpus=2), "on", CUDA)[0]
 
 
+def test_running_out_of_memory_on_a_shared_gpu_names_the_ranks_and_the_fix():
+    from dflash_mp.main import explain_oom
+
+    def oom():
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 340.00 MiB.")
+        except torch.OutOfMemoryError as e:
+            return e
+
+    e = oom()
+    out = explain_oom(e, topo(1, 0, 2, gpus=1))  # the 27B preset's 1 + 1 on one 80 GB card
+    assert isinstance(out, torch.OutOfMemoryError) and out.__cause__ is e
+    assert out.__traceback__ is e.__traceback__  # the rank's log keeps where it ran out
+    msg = str(out)
+    assert "GPU 0 of node 0 holds 2 processes (target rank 0, drafter rank 1)" in msg
+    assert "give each process a GPU of its own (this node has 1 for 2 processes)" in msg
+    assert msg.endswith("CUDA out of memory. Tried to allocate 340.00 MiB.")
+    # 4 ranks on 2 GPUs: rank 3 shares GPU 1 with rank 1
+    assert "holds 2 processes (target rank 1, drafter rank 3)" in str(explain_oom(oom(), topo(2, 3, 4, gpus=2)))
+    # A GPU of its own, CPU ranks, or another error: unchanged.
+    for t, err in ((topo(1, 0, 2, gpus=2), e), (topo(1, 0, 2, gpus=0), e), (topo(1, 0, 2, gpus=1), ValueError("x"))):
+        assert explain_oom(err, t) is err
+
+
 def test_a_bad_value_names_itself_and_the_choices():
     with pytest.raises(ValueError, match=r"topology.gpu_turns='yes': use auto .*, on or off"):
         decide(topo(1, 0, 2, gpus=1), "yes", CUDA)

@@ -21,6 +21,7 @@ from . import checkpoint as ckpt
 from . import rundir
 from .cli import freeze_for_exit
 from .config import CONF_DIR, JobConfig, register, to_job
+from .gpu_turns import gpu_mates
 from .liveness import Liveness, peer_error
 from .metrics import quiet_console
 from .resilience import StopSignal, effective_resume, restart_count
@@ -32,6 +33,23 @@ from .topology import Topology
 from .transport import p2p_pairs
 
 log = logging.getLogger("dflash_mp")
+
+
+def explain_oom(e: Exception, topo: Topology) -> Exception:
+    """`e` with the fix named when it is a CUDA out-of-memory error of a rank whose GPU other ranks share
+    (more processes than GPUs: each process holds its own model, and together they may not fit)."""
+    if not isinstance(e, torch.OutOfMemoryError) or topo.gpu_of(topo.rank) is None:
+        return e
+    mates = gpu_mates(topo, topo.rank)
+    if len(mates) < 2:
+        return e
+    node, gpu = topo.gpu_of(topo.rank)
+    out = torch.OutOfMemoryError(
+        f"GPU {gpu} of node {node} holds {len(mates)} processes ({', '.join(topo.name(r) for r in mates)}), each "
+        f"with its own model, and they do not fit in its memory together: give each process a GPU of its own "
+        f"(this node has {topo.gpus_per_node} for {topo.ranks_per_node} processes) or use GPUs with more memory. {e}")
+    out.__cause__ = e
+    return out.with_traceback(e.__traceback__)
 
 
 def run(job: JobConfig, raw: DictConfig | None = None) -> None:
@@ -94,6 +112,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
             # A peer's death is often seen first as a closed connection: give the watcher the
             # time to name the rank at fault (it ends the process then).
             live.settle()
+        e = explain_oom(e, topo)
         live.failed(f"{topo.name(rank)} failed: {type(e).__name__}: {e}")
         rundir.fail(e, topo.role, rank)
     finally:
