@@ -13,13 +13,11 @@
 # (target/worker.py COMPILE_OPTIONS): with them the target's rows of this script show that config
 # only; to see the flip again, empty COMPILE_OPTIONS.
 # JSON per part in $OUT/{contended,clean}/, the log in $OUT/autotune.log.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
 LOG="$OUT/autotune.log"
 mkdir -p "$OUT/contended" "$OUT/clean"
 t0=$SECONDS
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 cd bench
 hog() {  # a bf16 matmul loop on the GPU until killed
     python3 -c "import torch

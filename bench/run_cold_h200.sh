@@ -8,9 +8,9 @@
 #            caches) saves its artifacts; a second process with new empty caches loads them
 # Every Triton compile is timed (bench/triton_timer). Results under $OUT (or bench/results):
 # run_cold.log, cold_*.json, triton_*.jsonl. Wheels: ../shared/device/prepare.sh, carry .whl.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD/bench/triton_timer" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
+export PYTHONPATH="$PYTHONPATH:$PWD/bench/triton_timer"
 W=${W:-/root/cold_work}
 LOG="$OUT/run_cold.log"
 PARTS=${*:-masks restart}
@@ -18,7 +18,6 @@ PRESET=${PRESET:-qwen3_8b}
 mkdir -p "$W" "$OUT"
 t0=$SECONDS
 has() { [[ " $PARTS " == *" $1 "* ]]; }
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 fresh() {  # fresh NAME: empty Inductor and Triton caches, and this stage's Triton compile log
     export TORCHINDUCTOR_CACHE_DIR="$W/inductor_$1" TRITON_CACHE_DIR="$W/triton_$1" DFLASH_TRITON_LOG="$OUT/triton_$1.jsonl"
     rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"

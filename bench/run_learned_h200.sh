@@ -5,10 +5,10 @@
 # 2. `python -m dflash_mp.builtin.proof proof.size=medium` on a quiet GPU: regenerate -> torchrun 1+1
 #    -> evaluate (held-out tau_sim, live tau at B=16, lossless check, speedup; trained and untrained);
 # 3. the target forward at Qwen3-8B shapes, eager and compiled flex, with a kernel-class profile.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export DFLASH_MP_CACHE="${DFLASH_MP_CACHE:-/tmp/dflash_mp_cache}"
 OUT="${OUT:-$PWD/bench/results/learned_h200}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env
+bench_env
+export DFLASH_MP_CACHE="${DFLASH_MP_CACHE:-/tmp/dflash_mp_cache}"
 R=$(mktemp -d)
 WORK=${WORK:-/tmp/learned_medium}
 LIMIT=${LIMIT:-570}  # seconds for the whole script (the device call allows 600)

@@ -5,10 +5,10 @@
 # runs twice at once, train.feature_noise=none and =uniform (default scale), each regenerating its data
 # (greedy: the same rows), training a drafter 1+1 and evaluating it (held-out tau_sim, live tau). The
 # two share the GPU, so their timings are not figures; their acceptance is.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-export DFLASH_MP_CACHE="${DFLASH_MP_CACHE:-/tmp/dflash_mp_cache}"
 OUT="${OUT:-$PWD/bench/results/noise}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env
+bench_env
+export DFLASH_MP_CACHE="${DFLASH_MP_CACHE:-/tmp/dflash_mp_cache}"
 mkdir -p "$OUT"
 t0=$SECONDS
 timeout "${T_BUILD:-150}" python3 -m dflash_mp.builtin build-learned build_learned.size=medium > "$OUT/build_target.log" 2>&1

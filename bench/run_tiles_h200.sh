@@ -10,13 +10,11 @@
 # 3. the fastest of each sweep (bench/pick_tiles.py) in the whole 8B forward / step, against the default,
 #    interleaved (A B A B: the first variant of a process tends to time fastest).
 # JSON + the log (tiles.log) go to $OUT (the lent machine) or bench/results.
-set -u
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src" PYTHONUNBUFFERED=1
-OUT="${OUT:-$PWD/bench/results}"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
 LOG="$OUT/tiles.log"
 export OUT
 t0=$SECONDS
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # step
 PARTS=${*:-tests doc target btiles drafter}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 DOC_TILES=${DOC_TILES:-triton,triton-m64n64w4s3,triton-m64n32w8s3,triton-m128n64w8s3,triton}
