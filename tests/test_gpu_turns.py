@@ -69,6 +69,12 @@ def test_running_out_of_memory_on_a_shared_gpu_names_the_ranks_and_the_fix():
     assert msg.endswith("CUDA out of memory. Tried to allocate 340.00 MiB.")
     # 4 ranks on 2 GPUs: rank 3 shares GPU 1 with rank 1
     assert "holds 2 processes (target rank 1, drafter rank 3)" in str(explain_oom(oom(), topo(2, 3, 4, gpus=2)))
+    # Out of memory handed on: a CUDA call's error, or another error raised from the allocator's.
+    assert "holds 2 processes" in str(explain_oom(RuntimeError("CUDA error: out of memory"), topo(1, 1, 2, gpus=1)))
+    try:
+        raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as wrapped:
+        assert "holds 2 processes" in str(explain_oom(wrapped, topo(1, 1, 2, gpus=1)))
     # A GPU of its own, CPU ranks, or another error: unchanged.
     for t, err in ((topo(1, 0, 2, gpus=2), e), (topo(1, 0, 2, gpus=0), e), (topo(1, 0, 2, gpus=1), ValueError("x"))):
         assert explain_oom(err, t) is err

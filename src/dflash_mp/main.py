@@ -35,10 +35,22 @@ from .transport import p2p_pairs
 log = logging.getLogger("dflash_mp")
 
 
+def out_of_memory(e: BaseException | None) -> bool:
+    """Whether `e`, or an exception it was raised from, is CUDA running out of memory (the allocator's
+    OutOfMemoryError, or a CUDA call's "out of memory" error, as cuBLAS or NCCL hand it on)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError) or "CUDA error: out of memory" in str(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def explain_oom(e: Exception, topo: Topology) -> Exception:
     """`e` with the fix named when it is a CUDA out-of-memory error of a rank whose GPU other ranks share
     (more processes than GPUs: each process holds its own model, and together they may not fit)."""
-    if not isinstance(e, torch.OutOfMemoryError) or topo.gpu_of(topo.rank) is None:
+    if not out_of_memory(e) or topo.gpu_of(topo.rank) is None:
         return e
     mates = gpu_mates(topo, topo.rank)
     if len(mates) < 2:
