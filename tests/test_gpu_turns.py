@@ -50,7 +50,7 @@ def test_two_drafters_on_one_gpu_never_take_turns():
     assert decide(topo(2, 3, 4, gpus=2), "on", CUDA)[0]
 
 
-def test_running_out_of_memory_on_a_shared_gpu_names_the_ranks_and_the_fix():
+def test_running_out_of_memory_names_the_layout_and_the_fix():
     from dflash_mp.main import explain_oom
 
     def oom():
@@ -75,8 +75,12 @@ def test_running_out_of_memory_on_a_shared_gpu_names_the_ranks_and_the_fix():
         raise RuntimeError("backend compiler failed") from e
     except RuntimeError as wrapped:
         assert "holds 2 processes" in str(explain_oom(wrapped, topo(1, 1, 2, gpus=1)))
-    # A GPU of its own, CPU ranks, or another error: unchanged.
-    for t, err in ((topo(1, 0, 2, gpus=2), e), (topo(1, 0, 2, gpus=0), e), (topo(1, 0, 2, gpus=1), ValueError("x"))):
+    # A target alone on its GPU: its layers need more GPUs.
+    alone = str(explain_oom(e, topo(1, 0, 2, gpus=2)))
+    assert ("target rank 0 has GPU 0 of node 0 to itself and its share of the target's layers does not fit: split "
+            "the target over more GPUs with a larger target.stages (now 1;") in alone
+    # A drafter alone on its GPU, CPU ranks, or another error: unchanged.
+    for t, err in ((topo(1, 1, 2, gpus=2), e), (topo(1, 0, 2, gpus=0), e), (topo(1, 0, 2, gpus=1), ValueError("x"))):
         assert explain_oom(err, t) is err
 
 

@@ -48,18 +48,25 @@ def out_of_memory(e: BaseException | None) -> bool:
 
 
 def explain_oom(e: Exception, topo: Topology) -> Exception:
-    """`e` with the fix named when it is a CUDA out-of-memory error of a rank whose GPU other ranks share
-    (more processes than GPUs: each process holds its own model, and together they may not fit)."""
+    """`e` with the fix named when it is CUDA running out of memory where the layout is the likely cause:
+    a GPU that several processes share (each holds its own model), or a target alone on its GPU (its
+    layers may need more than one: target.stages)."""
     if not out_of_memory(e) or topo.gpu_of(topo.rank) is None:
         return e
     mates = gpu_mates(topo, topo.rank)
-    if len(mates) < 2:
-        return e
     node, gpu = topo.gpu_of(topo.rank)
-    out = torch.OutOfMemoryError(
-        f"GPU {gpu} of node {node} holds {len(mates)} processes ({', '.join(topo.name(r) for r in mates)}), each "
-        f"with its own model, and they do not fit in its memory together: give each process a GPU of its own "
-        f"(this node has {topo.gpus_per_node} for {topo.ranks_per_node} processes) or use GPUs with more memory. {e}")
+    if len(mates) > 1:
+        why = (f"GPU {gpu} of node {node} holds {len(mates)} processes ({', '.join(topo.name(r) for r in mates)}), "
+               f"each with its own model, and they do not fit in its memory together: give each process a GPU of "
+               f"its own (this node has {topo.gpus_per_node} for {topo.ranks_per_node} processes) or use GPUs with "
+               "more memory.")
+    elif topo.role == "target":
+        why = (f"{topo.name(topo.rank)} has GPU {gpu} of node {node} to itself and its share of the target's layers "
+               f"does not fit: split the target over more GPUs with a larger target.stages (now {topo.stages}; "
+               "each stage holds only its layers).")
+    else:
+        return e
+    out = torch.OutOfMemoryError(f"{why} {e}")
     out.__cause__ = e
     return out.with_traceback(e.__traceback__)
 
