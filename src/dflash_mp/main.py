@@ -51,10 +51,11 @@ def explain_oom(e: Exception, topo: Topology) -> Exception:
     """`e` with the fix named when it is CUDA running out of memory where the layout is the likely cause:
     a GPU that several processes share (each holds its own model), or a target alone on its GPU (its
     layers may need more than one: target.stages)."""
-    if not out_of_memory(e) or topo.gpu_of(topo.rank) is None:
+    where = topo.gpu_of(topo.rank)
+    if where is None or not out_of_memory(e):
         return e
+    node, gpu = where
     mates = gpu_mates(topo, topo.rank)
-    node, gpu = topo.gpu_of(topo.rank)
     if len(mates) > 1:
         why = (f"GPU {gpu} of node {node} holds {len(mates)} processes ({', '.join(topo.name(r) for r in mates)}), "
                f"each with its own model, and they do not fit in its memory together: give each process a GPU of "
