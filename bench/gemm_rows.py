@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import QWEN3_8B_TARGET, median, sync, timed, write_json
+from common import median, sync, timed, write_json
 from dflash_mp.archs import known_target_config
 from dflash_mp.target import default_layer_ids
 
@@ -48,7 +48,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (e.g. --rows 32 --iters 2)")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    config = known_target_config(args.target) or QWEN3_8B_TARGET
+    config = known_target_config(args.target)  # a copy of the table's entry
+    if config is None:
+        raise SystemExit(f"--target {args.target!r} is not in dflash_mp.archs' table: use one of its hub ids, "
+                         f"e.g. Qwen/Qwen3-8B or Qwen/Qwen3-4B")
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     layers = max(default_layer_ids(config["num_hidden_layers"], 5)) + 1  # the forward stops at the last captured
     shapes = layer_gemms(config)
