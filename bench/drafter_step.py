@@ -47,16 +47,19 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+bptr` the Triton block kernels load their context key/value tiles through pointers
     (block_attn.USE_TMA=False; without it, through tensor descriptors on sm_90+);
     `+nograph` train.cuda_graph=false (every step launched from Python; the default captures the
-    step as one CUDA graph at step 3 where it can, step_graph.py)."""
+    step as one CUDA graph at step 3 where it can, step_graph.py);
+    `+fullrows` every block row through every drafter layer (DFlashObjective.shared_mask_rows=False;
+    the default projects a block's mask slots once in the first layer and computes slots 1..B-1 only
+    in the last)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr") or (
+                       "nograph", "bptr", "fullrows") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +tiles=NAME or +btiles=NAME "
+                             f"+serial, +nograph, +bptr, +fullrows, +tiles=NAME or +btiles=NAME "
                              f"(NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -88,11 +91,13 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention,
                         layer_types=p.get("layer_types"), sliding_window=p.get("window"), **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
+    obj.shared_mask_rows = "fullrows" not in flags
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
-    return DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
-                          direct_grads="flatgrads" not in flags)
+    tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
+                        direct_grads="flatgrads" not in flags)
+    return tr
 
 
 def flops_per_step(p: dict, stats: dict, steps: int) -> float:

@@ -153,6 +153,37 @@ def test_gradients_reach_every_parameter_and_not_the_frozen_target():
     assert lm_head.grad is None and embed.grad is None
 
 
+@pytest.mark.parametrize("overrides", [{}, MIXED, {"num_layers": 1}])
+def test_training_form_equals_every_row_through_every_layer(overrides):
+    """The step's form (the first layer projects the A anchors and the one mask row, the last computes
+    slots 1..B-1 only) gives the general form's slots 1..B-1 and the same gradients (fp32)."""
+    row = Row()
+    gen = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(row.loss_mask, row.doc_ids, 6, 3, generator=gen)
+    block_ids, block_pos = build_blocks(row.input_ids, row.position_ids, anchors, B, MASK_ID)
+    labels, mask = block_labels(row.input_ids, row.loss_mask, row.doc_ids, anchors, valid, B)
+    head = torch.randn(V, H, generator=gen)
+    outs, grads = [], []
+    for shared in (False, True):
+        drafter = make_drafter(**overrides).train()
+        attn = drafter.build_attention(anchors, valid, row.doc_ids, backend="dense")
+        if shared:
+            out = drafter(row.hidden, F.embedding(row.input_ids[anchors], row.embed), row.position_ids, block_pos,
+                          attn, mask_embed=row.embed[MASK_ID], predicted_only=True)
+            assert out.shape == (anchors.shape[0] * (B - 1), H)
+        else:
+            out = drafter(row.hidden, F.embedding(block_ids, row.embed), row.position_ids, block_pos, attn)
+            assert out.shape == (anchors.shape[0] * B, H)
+            out = out.view(-1, B, H)[:, 1:].reshape(-1, H)
+        loss, _ = dflash_loss(out, head, labels, mask, slot_weights(B, gamma=2.0), chunk_size=5)
+        loss.backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in drafter.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_bf16_forward_and_rope_stays_fp32():
     drafter = make_drafter(**MIXED)
     inv_freq = drafter.rotary_emb.inv_freq.clone()

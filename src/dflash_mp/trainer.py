@@ -168,6 +168,10 @@ class DFlashObjective(nn.Module):
         # The dtype the drafter computes in: features arrive in the target's (a bf16 target may feed an
         # fp32 drafter). Set by DrafterTrainer (bf16 under autocast); None: the weights' own.
         self.compute_dtype: torch.dtype | None = None
+        # The first layer projects a block's mask slots once and the last computes slots 1..B-1 only
+        # (DFlashDrafter.forward's training form); False: every block row through every layer, the
+        # same numbers (bench/drafter_step.py's `+fullrows` times both).
+        self.shared_mask_rows = True
 
     def forward(self, hidden, input_ids, position_ids, doc_ids, loss_mask, noise):
         b = self.args.block_size
@@ -181,11 +185,16 @@ class DFlashObjective(nn.Module):
                                         noise=noise)
         labels, label_mask = block_labels(input_ids, loss_mask, doc_ids, anchors, valid, b)
         block_ids, block_pos = build_blocks(input_ids, position_ids, anchors, b, self.args.mask_token_id)
-        block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
         attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.attention,
                                             flex_block_size=self.cfg.flex_block_size,
                                             kernel_options=self.cfg.flex_kernel_options)
-        out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
+        if self.shared_mask_rows:  # the anchors' rows and the one mask row (DFlashDrafter.forward)
+            anchor_embeds = F.embedding(input_ids[anchors], self.embed).to(hidden.dtype)
+            out = self.drafter(hidden, anchor_embeds, position_ids, block_pos, attn,
+                               mask_embed=self.embed[self.args.mask_token_id], predicted_only=True)
+        else:
+            block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
+            out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)
         loss, correct = dflash_loss(out, self.head, labels, label_mask, self.weights, self.cfg.loss_chunk_size,
                                     kernel=self.loss_kernel)
         # Visible context keys per block = tokens of its document before the anchor = position_ids[a].

@@ -187,6 +187,7 @@ class Attention(nn.Module):
     def __init__(self, args: DrafterArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.block_size = args.block_size
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=False)
@@ -202,19 +203,47 @@ class Attention(nn.Module):
         rope_k: tuple[torch.Tensor, torch.Tensor],
         attn: BlockAttention,
         sliding: bool,
+        shared_mask: bool = False,
+        drop_anchor: bool = False,
     ) -> torch.Tensor:
-        """x: normalised block tokens `[Q, H]`; ctx: fused context `[T, H]` -> `[Q, H]`."""
-        n_q, D = x.shape[0], self.head_dim
-        q = self.q_norm(self.q_proj(x).view(n_q, self.num_heads, D))
+        """x: normalised block tokens `[Q, H]`; ctx: fused context `[T, H]` -> `[Q, H]`.
+
+        `shared_mask`: x holds each block's anchor row, then the one mask row every other slot shares
+        (`[A + 1, H]`, see `spread_blocks`); its projections are spread over the `A*B` block rows before
+        RoPE. `drop_anchor`: the output holds slots 1..B-1 only (`[A*(B-1), H]`)."""
+        D = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, D))
+        kx, vx = self.k_proj(x), self.v_proj(x)
+        if shared_mask:
+            q, kx, vx = (spread_blocks(t, self.block_size) for t in (q, kx, vx))
+        n_q = q.shape[0]
         # KV injection: the context is projected by the same k/v weights as the block tokens and
         # put in front of them, so one attention call covers both.
-        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=0).view(-1, self.num_kv_heads, D)
-        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=0).view(-1, self.num_kv_heads, D)
+        k = torch.cat([self.k_proj(ctx), kx], dim=0).view(-1, self.num_kv_heads, D)
+        v = torch.cat([self.v_proj(ctx), vx], dim=0).view(-1, self.num_kv_heads, D)
         k = self.k_norm(k)
         q = _apply_rope(q, *rope_q)
         k = _apply_rope(k, *rope_k)
-        out = attn(q, k, v, sliding)  # [S, heads, D] in and out
-        return self.o_proj(out.reshape(n_q, self.num_heads * D))
+        out = attn(q, k, v, sliding).reshape(n_q, self.num_heads * D)  # [S, heads, D] in and out
+        if drop_anchor:
+            out = drop_anchors(out, self.block_size)
+        return self.o_proj(out)
+
+
+def spread_blocks(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[A + 1, ...]` (A anchors' rows, then the mask row) -> `[A*B, ...]`: each block is its anchor's
+    row followed by B-1 copies of the mask row.
+
+    Until RoPE, a block's mask slots hold equal rows in the first layer (the embedding of
+    `mask_token_id`, then per-row norms and projections), so that layer projects A + 1 rows instead
+    of A*B: at 8B shapes 15/16 of its q/k/v projections (fwd and both grads, ~1.2 TFLOP a step)."""
+    a = t.shape[0] - 1
+    return torch.cat([t[:a, None], t[a:, None].expand(a, block_size - 1, *t.shape[1:])], dim=1).flatten(0, 1)
+
+
+def drop_anchors(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[A*B, ...]` -> `[A*(B-1), ...]`: slots 1..B-1 of every block (slot 0, the anchor, predicts nothing)."""
+    return t.unflatten(0, (-1, block_size))[:, 1:].flatten(0, 1)
 
 
 class MLP(nn.Module):
@@ -237,8 +266,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, attn: BlockAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn, self.sliding)
+    def forward(self, x, ctx, rope_q, rope_k, attn: BlockAttention, shared_mask: bool = False,
+                drop_anchor: bool = False) -> torch.Tensor:
+        """`shared_mask`, `drop_anchor`: see Attention.forward (the first and the last layer of a
+        training step); the residual follows the same rows."""
+        h = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attn, self.sliding, shared_mask, drop_anchor)
+        if shared_mask:
+            x = spread_blocks(x, self.self_attn.block_size)
+        if drop_anchor:
+            x = drop_anchors(x, self.self_attn.block_size)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -308,12 +345,20 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         block_positions: torch.Tensor,
         attn: BlockAttention,
+        mask_embed: torch.Tensor | None = None,
+        predicted_only: bool = False,
     ) -> torch.Tensor:
         """One packed row: hidden `[T, K*H]`, block_embeds `[A*B, H]` -> block hidden `[A*B, H]`.
 
         `ctx_positions` `[T]` and `block_positions` `[A*B]` are the RoPE positions (per document);
         `attn` comes from `build_attention` for the same anchors. Inputs must match the weights'
         dtype, or run under autocast (bf16 activations over fp32 master weights).
+
+        The training step's form, the same numbers for the slots it returns: with `mask_embed` `[H]`,
+        block_embeds is the anchors' rows `[A, H]` and every other slot of a block is `mask_embed`
+        (the first layer projects A + 1 rows, `spread_blocks`); with `predicted_only`, the output is
+        slots 1..B-1, `[A*(B-1), H]`, and the last layer runs its o_proj and MLP on those rows only
+        (slot 0's last output feeds nothing: 1/16 of that layer's o_proj and MLP at B = 16).
         """
         dtype = block_embeds.dtype
         before = self.before_module or _nothing
@@ -325,10 +370,17 @@ class DFlashDrafter(nn.Module):
         rope_c = self.rotary_emb(ctx_positions, dtype)
         rope_k = (torch.cat([rope_c[0], rope_q[0]]), torch.cat([rope_c[1], rope_q[1]]))
         x = block_embeds
+        if mask_embed is not None:
+            x = torch.cat([block_embeds, mask_embed.reshape(1, -1).to(dtype)])
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             before(f"layers.{i}")
-            x = layer(x, ctx, rope_q, rope_k, attn)
+            x = layer(x, ctx, rope_q, rope_k, attn, shared_mask=mask_embed is not None and i == 0,
+                      drop_anchor=predicted_only and i == last)
         before("norm")
+        if not self.layers:  # no layer to do it in
+            x = spread_blocks(x, self.args.block_size) if mask_embed is not None else x
+            x = drop_anchors(x, self.args.block_size) if predicted_only else x
         return self.norm(x)
 
 

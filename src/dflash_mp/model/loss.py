@@ -149,12 +149,19 @@ def dflash_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted CE over slots 1..B-1 of every block (`kernel`: see fused_linear_cross_entropy).
 
-    block_hidden `[A*B, H]` (the drafter output), labels/label_mask `[A, B]`, weights `[B]`.
+    block_hidden `[A*B, H]` (the drafter output) or `[A*(B-1), H]` (slots 1..B-1 only, the drafter's
+    `predicted_only` output), labels/label_mask `[A, B]`, weights `[B]`.
     Returns `(loss, correct)`: `loss = sum(w * ce * mask) / sum(w * mask)` (0 when nothing is
     supervised) and `correct [A, B]` bool, argmax == label, slot 0 always False.
     """
     A, B = labels.shape
-    hidden = block_hidden.view(A, B, -1)[:, 1:].reshape(A * (B - 1), -1)
+    if block_hidden.shape[0] == A * B:
+        hidden = block_hidden.view(A, B, -1)[:, 1:].reshape(A * (B - 1), -1)
+    elif block_hidden.shape[0] == A * (B - 1):
+        hidden = block_hidden
+    else:
+        raise ValueError(f"block_hidden has {block_hidden.shape[0]} rows for {A} blocks of {B}: "
+                         f"give A*B = {A * B} (every slot) or A*(B-1) = {A * (B - 1)} (slots 1..B-1)")
     ce, pred = fused_linear_cross_entropy(hidden, lm_head_weight, labels[:, 1:].reshape(-1), chunk_size, kernel)
     w = weights[1:].to(ce.dtype)[None, :] * label_mask[:, 1:].to(ce.dtype)
     loss = (ce.view(A, B - 1) * w).sum() / w.sum().clamp(min=1e-6)
