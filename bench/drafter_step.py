@@ -25,6 +25,7 @@ from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.optim import global_norm
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -50,16 +51,17 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     step as one CUDA graph at step 3 where it can, step_graph.py);
     `+fullrows` every block row through every drafter layer (DFlashObjective.shared_mask_rows=False;
     the default projects a block's mask slots once in the first layer and computes slots 1..B-1 only
-    in the last)."""
+    in the last); `+foreachnorm` the clip norm through `_foreach_norm` (optim.global_norm; the
+    default, compiled, reduces each gradient in Inductor's kernels)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "fullrows") or (
+                       "nograph", "bptr", "fullrows", "foreachnorm") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +tiles=NAME or +btiles=NAME "
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +tiles=NAME or +btiles=NAME "
                              f"(NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -97,6 +99,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                       optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
     tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
                         direct_grads="flatgrads" not in flags)
+    if "foreachnorm" in flags:
+        tr.opt.grad_norm = global_norm
     return tr
 
 

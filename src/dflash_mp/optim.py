@@ -89,6 +89,18 @@ def _norms_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `tensors` together, accumulated in fp32 (0-d)."""
+    return torch.linalg.vector_norm(torch.stack(_norms_fp32(tensors)))
+
+
+def global_norm_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`global_norm` as sums of squares, the form the optimizer compiles: Inductor reduces each tensor
+    in its own kernels at memory speed, where `_foreach_norm` runs ~50 launches of fixed-size chunks
+    (0.9 ms for the 8B drafter's 1.05 G gradients on the H200, 0.54 of the copy ceiling)."""
+    return torch.stack([t.float().square().sum() for t in tensors]).sum().sqrt()
+
+
 def replicas(group) -> int:
     """Data-parallel replicas in `group` (None: no data parallelism, one replica or a one-process
     reference)."""
@@ -160,6 +172,7 @@ class FlatAdamW:
         self._reduce = torch.empty(n, **f32) if low else None
         self._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True) if compiled \
             else adamw_update_each
+        self.grad_norm = torch.compile(global_norm_sums, dynamic=False, fullgraph=True) if compiled else global_norm
         # One compiled graph per distinct segment shape (offsets do not recompile).
         self._segments = self._slices(segments or [self.names])
         self._stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
@@ -365,7 +378,7 @@ class FlatAdamW:
         self.wait_all()
         if self.direct:
             grads = self._take_grads()
-            gnorm = torch.linalg.vector_norm(torch.stack(_norms_fp32(grads)))  # the fp32 norm of all of them
+            gnorm = self.grad_norm(grads)  # the fp32 norm of all of them
         else:
             gnorm = torch.linalg.vector_norm(self._grad(), dtype=torch.float32) / self.world
         skip = (~torch.isfinite(gnorm)).float()
