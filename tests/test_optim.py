@@ -381,6 +381,20 @@ def _rank_bf16_step(rank, world_size):
     return own, summed, tr.opt.master.clone(), float(tr.stats.pop()["gnorm_sum"])
 
 
+def test_a_cpu_step_never_calls_into_torch_cuda(monkeypatch):
+    """On a CUDA machine any torch.cuda stream call creates a CUDA context: GPU memory for a CPU rank,
+    and an error in a forked process (the gloo tests' ranks)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU training step called into torch.cuda")
+
+    for name in ("stream", "current_stream", "Stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    for direct in (True, False):
+        tr = _trainer(direct=direct, layers=2)
+        tr.train_step(_batch())
+        assert tr.step == 1
+
+
 def test_bf16_gradients_are_averaged_in_fp32_across_ranks():
     (g0, s0, m0, n0), (g1, s1, m1, n1) = run_ranks(_rank_bf16_step, 2, timeout=120)
     assert g0.dtype == torch.bfloat16 and s0.dtype == torch.float32

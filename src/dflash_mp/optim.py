@@ -39,6 +39,8 @@ optimizer state outside the training step waits for all of them first.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -390,7 +392,9 @@ class FlatAdamW:
         side = self._stream
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # None: the current stream
+        # No torch.cuda call without a side stream: on a CPU rank of a CUDA machine it would create a
+        # CUDA context (and fail in a forked process).
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for i, (_, bufs) in enumerate(self._segments):
                 if self.direct:
                     ids = self._seg_ids[i]
