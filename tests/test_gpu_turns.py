@@ -51,6 +51,7 @@ def test_two_drafters_on_one_gpu_never_take_turns():
 
 
 def test_running_out_of_memory_names_the_layout_and_the_fix():
+    from dflash_mp.config import JobConfig
     from dflash_mp.main import explain_oom
 
     def oom():
@@ -79,9 +80,18 @@ def test_running_out_of_memory_names_the_layout_and_the_fix():
     alone = str(explain_oom(e, topo(1, 0, 2, gpus=2)))
     assert ("target rank 0 has GPU 0 of node 0 to itself and its share of the target's layers does not fit: split "
             "the target over more GPUs with a larger target.stages (now 1;") in alone
-    # A drafter alone on its GPU, CPU ranks, or another error: unchanged.
+    # A drafter alone on its GPU: the knobs of its step's memory, the one that keeps the training first.
+    job = JobConfig()
+    job.drafter.loss_chunk_size, job.drafter.num_anchors, job.data.seq_len = 4096, 512, 3072
+    drafter = str(explain_oom(e, topo(1, 1, 2, gpus=2), job))
+    assert ("drafter rank 1 has GPU 1 of node 0 to itself and its training step does not fit: lower "
+            "drafter.loss_chunk_size (now 4096; the same training") in drafter
+    assert "drafter.num_anchors (now 512) or data.seq_len (now 3072)" in drafter
+    # Without the job's knobs, CPU ranks, or another error: unchanged.
     for t, err in ((topo(1, 1, 2, gpus=2), e), (topo(1, 0, 2, gpus=0), e), (topo(1, 0, 2, gpus=1), ValueError("x"))):
         assert explain_oom(err, t) is err
+    other = ValueError("x")
+    assert explain_oom(other, topo(1, 1, 2, gpus=2), job) is other
 
 
 def test_a_bad_value_names_itself_and_the_choices():

@@ -47,10 +47,11 @@ def out_of_memory(e: BaseException | None) -> bool:
     return False
 
 
-def explain_oom(e: Exception, topo: Topology) -> Exception:
-    """`e` with the fix named when it is CUDA running out of memory where the layout is the likely cause:
-    a GPU that several processes share (each holds its own model), or a target alone on its GPU (its
-    layers may need more than one: target.stages)."""
+def explain_oom(e: Exception, topo: Topology, job: JobConfig | None = None) -> Exception:
+    """`e` with the fix named when it is CUDA running out of memory: a GPU that several processes share
+    (each holds its own model), a target alone on its GPU (its layers may need more than one:
+    target.stages), or a drafter alone on its GPU (`job`'s knobs of the step's memory, the one that
+    keeps the training the same first)."""
     where = topo.gpu_of(topo.rank)
     if where is None or not out_of_memory(e):
         return e
@@ -65,6 +66,12 @@ def explain_oom(e: Exception, topo: Topology) -> Exception:
         why = (f"{topo.name(topo.rank)} has GPU {gpu} of node {node} to itself and its share of the target's layers "
                f"does not fit: split the target over more GPUs with a larger target.stages (now {topo.stages}; "
                "each stage holds only its layers).")
+    elif job is not None:
+        d = job.drafter
+        why = (f"{topo.name(topo.rank)} has GPU {gpu} of node {node} to itself and its training step does not fit: "
+               f"lower drafter.loss_chunk_size (now {d.loss_chunk_size}; the same training, the LM head in smaller "
+               f"pieces), else drafter.num_anchors (now {d.num_anchors}) or data.seq_len (now {job.data.seq_len}), "
+               "which change what a step trains on, or use GPUs with more memory.")
     else:
         return e
     out = torch.OutOfMemoryError(f"{why} {e}")
@@ -132,7 +139,7 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
             # A peer's death is often seen first as a closed connection: give the watcher the
             # time to name the rank at fault (it ends the process then).
             live.settle()
-        e = explain_oom(e, topo)
+        e = explain_oom(e, topo, job)
         live.failed(f"{topo.name(rank)} failed: {type(e).__name__}: {e}")
         rundir.fail(e, topo.role, rank)
     finally:
