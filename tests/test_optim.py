@@ -381,6 +381,24 @@ def _rank_bf16_step(rank, world_size):
     return own, summed, tr.opt.master.clone(), float(tr.stats.pop()["gnorm_sum"])
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_step_form_gives_every_row_through_every_layer_s_loss_and_gradients(layers):
+    """The objective hands the drafter the anchors' rows and the mask token's row and reads slots 1..B-1
+    only (DFlashDrafter.forward's training form): the same loss and gradients as the general form."""
+    runs = []
+    for shared in (True, False):
+        tr = _trainer(layers=layers)
+        tr.objective.shared_mask_rows = shared
+        torch.manual_seed(3)  # the same anchors
+        loss = tr.forward_backward(_batch())
+        runs.append((loss, tr.opt.gradients()))
+    (loss, grads), (ref_loss, ref_grads) = runs
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, g, r in zip(tr.opt.names, grads, ref_grads):
+        assert r.abs().sum() > 0, name
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_cpu_step_never_calls_into_torch_cuda(monkeypatch):
     """On a CUDA machine any torch.cuda stream call creates a CUDA context: GPU memory for a CPU rank,
     and an error in a forked process (the gloo tests' ranks)."""
