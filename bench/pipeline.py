@@ -48,25 +48,29 @@ def job_figures(run_dir: str, skip: int) -> dict:
             "recompiles_after_warmup": max((r.get("compile/recompiles", 0) for r in drafter), default=None)}
 
 
-def jobs_table(run_dirs: list[str], skip: int) -> None:
-    """`--jobs`: several runs side by side (bench/run_rows_h200.sh), into jobs.json."""
+def jobs_table(run_dirs: list[str], skip: int, limit: float = 7.07, name: str = "jobs.json") -> None:
+    """`--jobs`: several runs side by side (bench/run_rows_h200.sh), into `name` (`--json`), each against
+    the physical limit `limit` rows/s (`--limit`: 7.07 is the 8B's on one H200, 2.99 the 27B's)."""
     out = {}
-    print("run | samples/s | of 7.07 | steps | drafter wait ms/step | recompiles")
+    print(f"run | samples/s | of {limit:g} | steps | drafter wait ms/step | recompiles")
     for d in run_dirs:
         try:
             f = out[d] = job_figures(d, skip)
         except (OSError, SystemExit) as e:
             print(f"{d} | no figure ({e})")
             continue
-        print(f"{d} | {f['measured_samples_per_s']:.3f} | {f['measured_samples_per_s'] / 7.07:.3f} | "
+        print(f"{d} | {f['measured_samples_per_s']:.3f} | {f['measured_samples_per_s'] / limit:.3f} | "
               f"{f['steps_measured']} | {f['drafter_wait_ms_per_step']} | {f['recompiles_after_warmup']}")
-    write_json(out, "jobs.json")
+    write_json(out, name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", nargs="+", help="run dirs to compare (needs neither JSON; 7.07 rows/s: the 8B "
-                                              "limit of BENCHMARKS.md)")
+    ap.add_argument("--jobs", nargs="+", help="run dirs to compare (needs neither JSON)")
+    ap.add_argument("--limit", type=float, default=7.07,
+                    help="--jobs: the physical limit in rows/s (BENCHMARKS.md: 7.07 the 8B's, 2.99 the 27B's)")
+    ap.add_argument("--json", default="jobs.json", help="--jobs: the file it writes (under $OUT or bench/results); "
+                                                        "name it per call where several runs share one $OUT")
     ap.add_argument("--target-json", help="bench/target_forward.py output")
     ap.add_argument("--target-variant", default="trunc-flex")
     ap.add_argument("--drafter-json", help="bench/drafter_step.py output")
@@ -75,7 +79,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=20, help="steps excluded as warm-up")
     a = ap.parse_args()
     if a.jobs:
-        return jobs_table(a.jobs, a.skip)
+        return jobs_table(a.jobs, a.skip, a.limit, a.json)
     if not (a.target_json and a.drafter_json and a.run_dir):
         ap.error("--target-json, --drafter-json and --run-dir are required (or --jobs)")
     with open(a.target_json) as f:
