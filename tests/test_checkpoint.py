@@ -142,6 +142,27 @@ def _checkpointer_round_trip(rank, world, root):
             "manifest": ckpt.read_manifest(path)}
 
 
+def _cpu_save_on_a_cuda_machine(rank, world, root):
+    """A CPU rank on a machine with a GPU: saving must not call into CUDA (which would create a context,
+    or fail in this forked process)."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU rank's checkpoint called into torch.cuda")
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_rng_state = torch.cuda.synchronize = refuse
+    cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=2, manifest={"world_size": world})
+    cp.save(torch.nn.Linear(4, 2), 1, 10, wait=True)
+    return sorted(ckpt.load_file(cp.resolve("auto")[1], ckpt.rng_file(rank)))
+
+
+def test_a_cpu_rank_saves_without_touching_cuda_on_a_machine_with_a_gpu(tmp_path):
+    from dist_utils import run_ranks
+
+    assert run_ranks(_cpu_save_on_a_cuda_machine, 1, str(tmp_path), timeout=120) == [["cpu"]]
+
+
 def test_checkpointer_round_trip_restores_weights_and_each_ranks_rng(tmp_path):
     from dist_utils import run_ranks
 

@@ -191,8 +191,10 @@ def rng_file(rank: int) -> str:
 
 
 def get_rng_state() -> dict:
+    """This process's RNG states: the CPU's, and the current GPU's where the process uses CUDA (asked on a
+    machine that merely has a GPU, a CPU rank would create a CUDA context, or fail in a forked process)."""
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -273,7 +275,7 @@ class Checkpointer:
         data = None
         if self.leader:
             data = snapshot(state.state_dict(), self._pinned)
-            if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # the copies into the pinned buffers are done
         dist.barrier(group=self.group)  # every rank's RNG file is on disk
         self.stall_s = time.monotonic() - t0  # what training waits for: the host copy, not the write
