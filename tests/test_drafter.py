@@ -249,6 +249,7 @@ def test_rope_scaling_uses_transformers_init():
 @pytest.mark.parametrize(
     "overrides,match",
     [
+        (dict(num_layers=0), "num_layers=0"),
         (dict(num_heads=6, num_kv_heads=4), "num_kv_heads"),
         (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
         (dict(layer_types=["full_attention"]), "layer_types"),

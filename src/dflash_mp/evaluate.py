@@ -133,7 +133,6 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
     few blocks and spends most blocks where acceptance is low, so `tau_sim_anchors` overstates live
     `tau` whenever acceptance varies along a reply.
     """
-    import torch.nn.functional as F
 
     from .data import build_stream
     from .model import anchor_candidates, block_labels, build_blocks, dflash_loss, slot_weights
@@ -165,10 +164,9 @@ def simulate(job, target_path: str, tokenizer, target_config: dict, drafter, arg
             anchors = torch.cat([group, group.new_zeros(chunk - n)])
             valid = torch.arange(chunk, device=device) < n
             labels, label_mask = block_labels(hb.input_ids, hb.loss_mask, hb.doc_ids, anchors, valid, b)
-            block_ids, block_pos = build_blocks(hb.input_ids, hb.position_ids, anchors, b, args.mask_token_id)
+            _, block_pos = build_blocks(hb.input_ids, hb.position_ids, anchors, b, args.mask_token_id)
             attn = drafter.build_attention(anchors, valid, hb.doc_ids, backend=backend)
-            out = drafter(hb.hidden, F.embedding(block_ids, embed).to(hb.hidden.dtype), hb.position_ids, block_pos,
-                          attn)
+            out = drafter.predict_blocks(hb.hidden, embed, hb.input_ids, anchors, hb.position_ids, block_pos, attn)
             loss, correct = dflash_loss(out, head, labels, label_mask, weights, job.drafter.loss_chunk_size)
             stats.add(loss, correct, label_mask, torch.zeros(()))
             stats.count(hb.num_valid_tokens)

@@ -188,10 +188,8 @@ class DFlashObjective(nn.Module):
         attn = self.drafter.build_attention(anchors, valid, doc_ids, backend=self.attention,
                                             flex_block_size=self.cfg.flex_block_size,
                                             kernel_options=self.cfg.flex_kernel_options)
-        if self.shared_mask_rows:  # the anchors' rows and the one mask row (DFlashDrafter.forward)
-            anchor_embeds = F.embedding(input_ids[anchors], self.embed).to(hidden.dtype)
-            out = self.drafter(hidden, anchor_embeds, position_ids, block_pos, attn,
-                               mask_embed=self.embed[self.args.mask_token_id], predicted_only=True)
+        if self.shared_mask_rows:
+            out = self.drafter.predict_blocks(hidden, self.embed, input_ids, anchors, position_ids, block_pos, attn)
         else:
             block_embeds = F.embedding(block_ids, self.embed).to(hidden.dtype)
             out = self.drafter(hidden, block_embeds, position_ids, block_pos, attn)

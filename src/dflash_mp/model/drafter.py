@@ -53,6 +53,9 @@ class DrafterArgs:
     sliding_window: int | None = None  # window W of sliding layers; required iff any layer slides
 
     def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers}: a drafter needs at least one decoder layer "
+                             "(drafter.num_layers, 5 at the recipe's shapes)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}; "
@@ -378,10 +381,16 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_k, attn, shared_mask=mask_embed is not None and i == 0,
                       drop_anchor=predicted_only and i == last)
         before("norm")
-        if not self.layers:  # no layer to do it in
-            x = spread_blocks(x, self.args.block_size) if mask_embed is not None else x
-            x = drop_anchors(x, self.args.block_size) if predicted_only else x
         return self.norm(x)
+
+    def predict_blocks(self, hidden: torch.Tensor, embed: torch.Tensor, input_ids: torch.Tensor,
+                       anchors: torch.Tensor, ctx_positions: torch.Tensor, block_positions: torch.Tensor,
+                       attn: BlockAttention) -> torch.Tensor:
+        """The blocks' predicted slots 1..B-1, `[A*(B-1), H]`, in the training step's form: block inputs are
+        rows of the target's frozen `embed`, the anchors' tokens and the mask token for every other slot."""
+        anchor_rows = F.embedding(input_ids[anchors], embed).to(hidden.dtype)
+        return self(hidden, anchor_rows, ctx_positions, block_positions, attn,
+                    mask_embed=embed[self.args.mask_token_id], predicted_only=True)
 
 
 def _nothing(name: str) -> None:
