@@ -17,6 +17,9 @@ descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward re
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
+`-noropeq` (before `-graph`): the layers' attention modules normalize and rotate the queries themselves
+(a pass Inductor fuses before the kernel) instead of the kernel doing it as it loads each query tile
+(TargetWorker's rope_q), e.g. `trunc-triton-compiled-noropeq-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
 Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
 template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
@@ -110,7 +113,8 @@ def main() -> None:
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      defer_residual="-nodefer" not in v, compile_options=options)
+                                      defer_residual="-nodefer" not in v, compile_options=options,
+                                      rope_q="-noropeq" not in v)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731
