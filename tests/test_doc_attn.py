@@ -304,7 +304,8 @@ def check_worker_rope_q() -> None:
 
     def check(expect_rope_q: bool) -> None:
         want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
-        worker = worker_with(model, "triton", CPU, compile=True)
+        assert not worker_with(model, "triton", CPU, compile=True).rope_q  # off by default
+        worker = TargetWorker(model, [1, 2, 3], CPU, compile=True, rope_q=True)
         assert worker.rope_q and worker.deferred
         assert worker.check_compiled(probe_len=96) < 1e-4
         assert worker.rope_q is expect_rope_q and worker.deferred
@@ -360,11 +361,9 @@ def test_the_kernel_equals_dense_attention_on_cuda(D, window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_target_through_the_kernel_equals_flex_on_cuda():
-    """A tiny Qwen3 (bf16, head_dim 128, sliding-window layers) compiled as the job runs it, the queries'
-    norm and RoPE inside the kernel: the load check passes; captures within bf16 rounding of
-    flex_attention's; no graph break; a row of another document count compiles nothing new."""
-    from torch._dynamo.utils import counters
-
+    """A tiny Qwen3 (bf16, head_dim 128, sliding-window layers) compiled as the job runs it, and with the
+    queries' norm and RoPE inside the kernel (rope_q): the load check passes; captures within bf16
+    rounding of flex_attention's; no graph break; a row of another document count compiles nothing new."""
     model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
     g = torch.Generator().manual_seed(3)
     for layer in model.model.layers:  # head norms with weights of their own, for the kernel's q norm to apply
@@ -372,8 +371,16 @@ def test_the_target_through_the_kernel_equals_flex_on_cuda():
             norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
     rows = [packed([300, 520, 130], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1)]
     flex = [worker_with(model, "flex_attention", CUDA).forward(pb).hidden for pb in rows]
-    worker = worker_with(model, "triton", CUDA, compile=True)
-    assert worker.check_compiled(probe_len=512) < 2e-2 and worker.rope_q  # the queries' norm and RoPE in the kernel
+    for rope_q in (False, True):  # the queries' norm and RoPE before the kernel, then inside it
+        check_target_against_flex(model, rows, flex, rope_q)
+
+
+def check_target_against_flex(model, rows, flex, rope_q: bool) -> None:
+    from torch._dynamo.utils import counters
+
+    model.config._attn_implementation = "triton"
+    worker = TargetWorker(model, [1, 2, 3], CUDA, compile=True, rope_q=rope_q)
+    assert worker.check_compiled(probe_len=512) < 2e-2 and worker.rope_q is rope_q
     breaks = sum(counters["graph_break"].values())
     graphs = counts()["graphs"]
     worker.forward(rows[0])

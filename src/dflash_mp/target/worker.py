@@ -122,8 +122,9 @@ class TargetWorker:
     `rope_q`: deferred layers whose attention is Qwen3's (a RMSNorm on each query and key head before
     RoPE) and runs on the Triton kernel hand it the query projection as it is, and the kernel applies
     the norm and RoPE as it loads each query tile (doc_attn.attend_rope_q): one pass over the queries
-    less per layer (0.75 ms of the 8B forward). Checked at load against the module's own forward
-    (check_compiled).
+    less per layer (the pass took 0.75 ms of the 8B forward). Checked at load against the module's own
+    forward (check_compiled). Off by default, and so off in the job, until timed on a GPU against the
+    pass it replaces (bench/target_forward.py `-ropeq`; BENCHMARKS.md, "Not run here").
 
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
@@ -132,7 +133,7 @@ class TargetWorker:
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
                  compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
-                 compile_options: dict | None = None, rope_q: bool = True):
+                 compile_options: dict | None = None, rope_q: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -196,7 +197,8 @@ class TargetWorker:
                                                    for i in range(first, end))
             heads = config.get_text_config().num_attention_heads
             self.rope_q = rope_q and self.deferred and self.triton and all(
-                rope_q_unsupported(decoder.layers[i].self_attn, self.head_dim, heads) is None for i in range(first, end))
+                rope_q_unsupported(decoder.layers[i].self_attn, self.head_dim, heads) is None
+                for i in range(first, end))
             self._compile_layers()
             self._run = self._forward
         elif compile_scope == "forward":
