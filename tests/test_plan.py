@@ -6,7 +6,7 @@ import pytest
 from dflash_mp import split
 from dflash_mp.config import compose
 from dflash_mp.flops import DrafterShape
-from dflash_mp.plan import format_report, planned_ids, target_config_for
+from dflash_mp.plan import PlanConfig, format_report, planned_ids, target_config_for
 from dflash_mp.split import (
     Layout,
     best_whole_split,
@@ -90,9 +90,24 @@ def test_report_lists_every_layout():
     assert "topology.num_target_ranks=3" in text and "shares every GPU: torchrun --nproc-per-node 16" in text
 
 
+def test_one_gpu_has_one_layout_a_target_and_a_drafter_taking_turns():
+    """Per-part times of the 8B job measured on one H200 (call W, BENCHMARKS.md: target forward 66.99 ms,
+    drafter step 120.75 ms); the job itself, 1 + 1 on that GPU taking turns, ran 5.335 samples/s."""
+    t, d = 1000 / 66.99, 1000 / 120.75
+    (only,) = plan_layouts(1, t, d, efficiency=PlanConfig.turns_efficiency)
+    assert (only.target_gpus, only.drafter_gpus, only.shared_gpus, only.num_processes) == (0, 0, 1, 2)
+    assert only.samples_per_s == pytest.approx(5.335, rel=0.01)
+    assert only.target_share == pytest.approx(66.99 / (66.99 + 120.75))
+    text = format_report(1, t, d, [only], 3072)
+    assert "one GPU: 5.3" in text and "1 GPU shared by a target and a drafter (36% target)" in text
+    assert "torchrun --nproc-per-node 2" in text and "whole-GPU" not in text
+    with pytest.raises(ValueError, match="world_size=1 has no room for one target replica of target.stages=2"):
+        plan_layouts(1, t, d, stages=2)
+
+
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="world_size=1"):
-        plan_layouts(1, T, D)
+    with pytest.raises(ValueError, match=r"world_size=0: plan for 1 GPU or more"):
+        plan_layouts(0, T, D)
     with pytest.raises(ValueError, match="positive"):
         plan_layouts(8, 0.0, D)
 
@@ -137,6 +152,21 @@ def test_cli_prints_layouts(capsys):
     out = capsys.readouterr().out
     assert "recommended whole-GPU split: topology.num_target_ranks=" in out
     assert out.count("target +") >= 7
+
+
+def test_cli_plans_one_gpu_at_the_turns_efficiency(capsys):
+    """`plan.world_size=1`: the one layout at the fluid bound (plan.turns_efficiency, 1.0), not at the
+    0.9 of GPUs shared without turns, and the launch that runs it."""
+    import re
+
+    from dflash_mp.plan import main
+
+    main(["experiment=qwen3_8b", "plan.world_size=1", "plan.peak_tflops=790"])
+    out = capsys.readouterr().out
+    t, d = _rates(compose(["experiment=qwen3_8b"]))
+    got = float(re.search(r"one GPU: ([0-9.]+) samples/s", out).group(1))
+    assert got == pytest.approx(fluid_bound(1, t, d), rel=1e-3)
+    assert "torchrun --nproc-per-node 2 -m dflash_mp.main" in out
 
 
 def test_measure_runs_on_this_device():

@@ -9,6 +9,7 @@ rank consumes one per step. Per-GPU rates come from the model FLOPs of `dflash_m
 `W` GPUs into `n` target and `W - n` drafter GPUs delivers `min(n * t, (W - n) * d)` samples/s.
 When the rates do not divide evenly, one GPU shared by a target and a drafter process (over the shm
 ring; its throughput split between them) can close the gap, up to the fluid bound `W*t*d/(t+d)`.
+One GPU (`plan.world_size=1`) has one layout: a target and a drafter process sharing it, taking turns.
 With `target.stages=S > 1` a target replica spans S GPUs and delivers about `S * t * balance`
 samples/s (`t` the one-GPU rate of the whole truncated target, `balance` the stage plan's mean/max
 stage cost, `stages.plan_stages`): only whole splits into replicas of S GPUs are considered.
@@ -128,14 +129,22 @@ class PlanConfig:
     drafter_mfu: float = DRAFTER_MFU  # fraction of peak the drafter's train step reaches
     doc_len: int = 1024  # mean document length, for the attention FLOPs of packed batches
     shared_efficiency: float = 0.9  # throughput kept by a GPU shared by a target and a drafter
+    # ... on one GPU, where the job's only target and drafter take turns at it (topology.gpu_turns=auto):
+    # 0.997-1.007 of what the two parts allow alone, measured for the 8B job on one H200 (BENCHMARKS.md)
+    turns_efficiency: float = 1.0
     measure: bool = False  # time both on the local accelerator instead of estimating from FLOPs
 
 
 def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int = 1,
                   balance: float = 1.0) -> str:
     best = layouts[0]
-    whole = best_whole_split(world, t, d, stages, balance)
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
+    if world == 1:
+        return "\n".join(lines + [
+            f"one GPU: {best.samples_per_s:.4g} samples/s, {best.describe()}  <- the only layout",
+            "launch: torchrun --nproc-per-node 2 -m dflash_mp.main ...  (target rank 0 and drafter rank 1 share "
+            "the GPU over the shm ring and take turns at it: topology.gpu_turns=auto)"])
+    whole = best_whole_split(world, t, d, stages, balance)
     if stages > 1:
         lines.append(f"per target replica of {stages} stages: {stages * t * balance:.4g} samples/s "
                      f"(stage balance {balance:.2f})")
@@ -186,7 +195,8 @@ def run_plan(job, opts: PlanConfig) -> None:
         stage_plan = plan_stages(tcfg, layer_ids, stages, job.data.seq_len, opts.doc_len)
         balance = stage_plan.balance()
         print(f"target.stages={stages}: {stage_plan.describe()}")
-    print(format_report(world, t, d, plan_layouts(world, t, d, opts.shared_efficiency, stages, balance),
+    efficiency = opts.turns_efficiency if world == 1 else opts.shared_efficiency
+    print(format_report(world, t, d, plan_layouts(world, t, d, efficiency, stages, balance),
                         job.data.seq_len, stages, balance))
 
 

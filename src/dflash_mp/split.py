@@ -77,6 +77,8 @@ class Layout:
             n = self.num_replicas
             return (f"{n} target replica{'s' if n > 1 else ''} x {self.stages} stages ({self.target_gpus} GPUs) "
                     f"+ {self.drafter_gpus} drafter GPUs")
+        if self.shared_gpus == 1 and not (self.target_gpus or self.drafter_gpus):
+            return f"1 GPU shared by a target and a drafter ({self.target_share:.0%} target)"
         if self.shared_gpus and not (self.target_gpus or self.drafter_gpus):
             return f"{self.shared_gpus} GPUs each shared by a target and a drafter ({self.target_share:.0%} target)"
         s = f"{self.target_gpus} target + {self.drafter_gpus} drafter GPUs"
@@ -137,11 +139,14 @@ def all_shared(world: int, t: float, d: float, efficiency: float = 0.9) -> Layou
 def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9, stages: int = 1,
                  balance: float = 1.0) -> list[Layout]:
     """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs). With
-    `stages` > 1 only whole splits into replicas of `stages` GPUs (no GPU is shared)."""
-    if world < 2:
-        raise ValueError(f"world_size={world}: a split needs at least 2 GPUs; plan for 2 or more.")
+    `stages` > 1 only whole splits into replicas of `stages` GPUs (no GPU is shared). One GPU has one
+    layout: a target and a drafter process sharing it."""
+    if world < 1:
+        raise ValueError(f"world_size={world}: plan for 1 GPU or more.")
     if t <= 0 or d <= 0:
         raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
+    if world == 1 and stages == 1:
+        return [all_shared(1, t, d, efficiency)]
     if stages != 1:
         layouts = _staged_whole_splits(world, t, d, stages, balance)
     else:
