@@ -135,8 +135,18 @@ class PlanConfig:
     measure: bool = False  # time both on the local accelerator instead of estimating from FLOPs
 
 
+# What the report cannot promise: the layouts are ranked by FLOPs, not checked against a GPU's memory.
+MEMORY_CAVEAT = ("memory is not estimated: processes that do not fit a GPU together stop with an out-of-memory "
+                 "error naming the fix (e.g. the 27B preset's target and drafter need more than one 80 GB GPU)")
+
+
 def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int = 1,
                   balance: float = 1.0) -> str:
+    return "\n".join([_layouts_report(world, t, d, layouts, seq_len, stages, balance), MEMORY_CAVEAT])
+
+
+def _layouts_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int,
+                    balance: float) -> str:
     best = layouts[0]
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
     if world == 1:
