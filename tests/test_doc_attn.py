@@ -303,14 +303,20 @@ def check_worker_rope_q() -> None:
     rows = [packed([37, 50, 30], 128, 96), packed([3, 60, 4, 26, 2], 128, 96, seed=1)]
 
     def check(expect_rope_q: bool) -> None:
+        from torch._dynamo.utils import counters
+
         want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
         assert not worker_with(model, "triton", CPU, compile=True).rope_q  # off by default
         worker = TargetWorker(model, [1, 2, 3], CPU, compile=True, rope_q=True)
         assert worker.rope_q and worker.deferred
+        breaks = sum(counters["graph_break"].values())
         assert worker.check_compiled(probe_len=96) < 1e-4
         assert worker.rope_q is expect_rope_q and worker.deferred
+        graphs = counts()["graphs"]
         for pb, w in zip(rows, want):
             torch.testing.assert_close(worker.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
+        assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])  # the op in the graph
+        assert counts()["graphs"] - graphs <= 2  # the rows' length: one graph per layer kind (full, sliding)
         plain = TargetWorker(model, [1, 2, 3], CPU, compile=True, rope_q=False)
         assert not plain.rope_q and plain.deferred
         torch.testing.assert_close(plain.forward(rows[0]).hidden, want[0], rtol=1e-4, atol=1e-5)
