@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..batch import document_starts
+from ..rope import apply_rope
 from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch, too_small
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
@@ -204,9 +205,7 @@ def attend_rope_q(attn: nn.Module, x: torch.Tensor, rows: DocRows, rope: tuple[t
     cos, sin = rope[0][0], rope[1][0]
     if cos.shape[-1] != d:
         raise ValueError(f"attend_rope_q rotates whole heads: RoPE tables of {cos.shape[-1]} dims, heads of {d}")
-    k = attn.k_norm(attn.k_proj(x).view(T, -1, d))
-    k1, k2 = k.chunk(2, dim=-1)
-    k = k * cos[:, None] + torch.cat([-k2, k1], dim=-1) * sin[:, None]
+    k = apply_rope(attn.k_norm(attn.k_proj(x).view(T, -1, d)), cos, sin)
     v = attn.v_proj(x).view(T, -1, d)
     q = attn.q_proj(x).view(T, -1, d)
     scale = getattr(attn, "scaling", d ** -0.5)
