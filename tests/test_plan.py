@@ -94,10 +94,12 @@ def test_one_gpu_has_one_layout_a_target_and_a_drafter_taking_turns():
     """Per-part times of the 8B job measured on one H200 (call W, BENCHMARKS.md: target forward 66.99 ms,
     drafter step 120.75 ms); the job itself, 1 + 1 on that GPU taking turns, ran 5.335 samples/s."""
     t, d = 1000 / 66.99, 1000 / 120.75
-    (only,) = plan_layouts(1, t, d, efficiency=PlanConfig.turns_efficiency)
+    (only,) = plan_layouts(1, t, d, efficiency=0.5, turns_efficiency=PlanConfig.turns_efficiency)
     assert (only.target_gpus, only.drafter_gpus, only.shared_gpus, only.num_processes) == (0, 0, 1, 2)
     assert only.samples_per_s == pytest.approx(5.335, rel=0.01)
     assert only.target_share == pytest.approx(66.99 / (66.99 + 120.75))
+    # One GPU's rate follows the turns' efficiency; the shared-GPU efficiency of larger worlds does not apply.
+    assert plan_layouts(1, t, d, turns_efficiency=0.5)[0].samples_per_s == pytest.approx(only.samples_per_s / 2)
     text = format_report(1, t, d, [only], 3072)
     assert "one GPU: 5.3" in text and "1 GPU shared by a target and a drafter (36% target)" in text
     assert "torchrun --nproc-per-node 2" in text and "whole-GPU" not in text

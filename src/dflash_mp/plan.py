@@ -205,9 +205,8 @@ def run_plan(job, opts: PlanConfig) -> None:
         stage_plan = plan_stages(tcfg, layer_ids, stages, job.data.seq_len, opts.doc_len)
         balance = stage_plan.balance()
         print(f"target.stages={stages}: {stage_plan.describe()}")
-    efficiency = opts.turns_efficiency if world == 1 else opts.shared_efficiency
-    print(format_report(world, t, d, plan_layouts(world, t, d, efficiency, stages, balance),
-                        job.data.seq_len, stages, balance))
+    layouts = plan_layouts(world, t, d, opts.shared_efficiency, stages, balance, opts.turns_efficiency)
+    print(format_report(world, t, d, layouts, job.data.seq_len, stages, balance))
 
 
 def main(argv: list[str] | None = None) -> None:

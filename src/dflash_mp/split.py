@@ -137,16 +137,17 @@ def all_shared(world: int, t: float, d: float, efficiency: float = 0.9) -> Layou
 
 
 def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9, stages: int = 1,
-                 balance: float = 1.0) -> list[Layout]:
+                 balance: float = 1.0, turns_efficiency: float = 1.0) -> list[Layout]:
     """All layouts considered, best first (ties: whole-GPU layouts, then fewer target GPUs). With
     `stages` > 1 only whole splits into replicas of `stages` GPUs (no GPU is shared). One GPU has one
-    layout: a target and a drafter process sharing it."""
+    layout: a target and a drafter process sharing it, taking turns at it (`topology.gpu_turns=auto`),
+    which keeps `turns_efficiency` of the fluid bound instead of `efficiency`."""
     if world < 1:
         raise ValueError(f"world_size={world}: plan for 1 GPU or more.")
     if t <= 0 or d <= 0:
         raise ValueError(f"rates must be positive, got target {t}, drafter {d} samples/s per GPU.")
     if world == 1 and stages == 1:
-        return [all_shared(1, t, d, efficiency)]
+        return [all_shared(1, t, d, turns_efficiency)]
     if stages != 1:
         layouts = _staged_whole_splits(world, t, d, stages, balance)
     else:
