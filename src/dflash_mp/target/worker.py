@@ -464,22 +464,26 @@ class TargetWorker:
         for i in range(*self.stage_layers):
             want = row.run(self, i, h)
             if self.deferred and not torch.equal(row.run(self, i, h, deferred=True), want):
-                log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
-                            "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
-                self.deferred = self.rope_q = False
-                self._compile_layers()
-                return self._check_layers(row, h0)
+                return self._recheck(row, h0, ("deferred", "rope_q"), "layer %d run with its residual add deferred "
+                                     "to the next layer differs from its own forward; compiling the layers as they "
+                                     "are", i)
             why = self._rope_q_differs(row, i, h) if self.rope_q else None
             if why:
-                log.warning("target %s: layer %d's attention with its query norm and RoPE inside the kernel differs "
-                            "from the module's own forward (%s); compiling the layers with the module's attention",
-                            type(self.model).__name__, i, why)
-                self.rope_q = False
-                self._compile_layers()
-                return self._check_layers(row, h0)
+                return self._recheck(row, h0, ("rope_q",), "layer %d's attention with its query norm and RoPE inside "
+                                     "the kernel differs from the module's own forward (%s); compiling the layers "
+                                     "with the module's attention", i, why)
             rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
             h = want
         return rel
+
+    def _recheck(self, row, h: torch.Tensor, turn_off: tuple[str, ...], why: str, *args) -> float:
+        """A layer failed one of _check_layers' checks: warn (`why % args`), turn the options named in
+        `turn_off` off, compile the layers again without them and check from the probe row's input h."""
+        log.warning("target %s: " + why, type(self.model).__name__, *args)
+        for name in turn_off:
+            setattr(self, name, False)
+        self._compile_layers()
+        return self._check_layers(row, h)
 
     def _rope_q_differs(self, row, i: int, h: torch.Tensor) -> str | None:
         """Why layer i's attention through attend_rope_q is not its module's own (None: it equals it to
