@@ -8,7 +8,11 @@ kernel load through the pointers K and V either way.
 `NB` blocks per program in the forward and dQ (1 or 2): a program's tile holds NB consecutive blocks'
 rows, RB rows each (G*B rounded up to a power of two), so NB = 2 doubles the matmuls' row count and
 halves the key/value tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
-documents, disjoint spans, which the program walks one after the other (no key tile between them)."""
+documents, disjoint spans, which the program walks one after the other (no key tile between them).
+
+`HEADS_FIRST`: the grid is (KV heads, places in the order), so the GPU, which starts programs with
+program_id(0) running fastest, starts every KV head's program of a place before the next place: the
+programs start longest first over all heads. Else (places, KV heads): head by head, each longest first."""
 
 import triton
 import triton.language as tl
@@ -103,12 +107,24 @@ def _own_keys(K, V, T, A, i0, blk, g, slot, d, sk_s, sk_h, sv_s, sv_h, B: tl.con
 
 
 @triton.jit
-def _program(ORDER, A, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr):
+def _place_and_head(HEADS_FIRST: tl.constexpr):
+    """This program's place in its kernel's order and its KV head (the grid's axes: HEADS_FIRST above)."""
+    place = tl.program_id(0)
+    g = tl.program_id(1)
+    if HEADS_FIRST:
+        place = tl.program_id(1)
+        g = tl.program_id(0)
+    return place, g
+
+
+@triton.jit
+def _program(ORDER, A, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
+             HEADS_FIRST: tl.constexpr):
     """The forward's and dQ's program: its first block i0 (NB x its place in ORDER), its KV head g, and
     per tile row (_rows) its block i, whether it is a live row, its query row and its query head; d
     the head dimension's lanes."""
-    i0 = tl.load(ORDER + tl.program_id(0)) * NB
-    g = tl.program_id(1)
+    place, g = _place_and_head(HEADS_FIRST)
+    i0 = tl.load(ORDER + place) * NB
     r, rr, blk, real, slot, head = _rows(g, G, B, RB, NB)
     i = i0 + blk
     return i0, g, rr, blk, slot, head, i, real & (i < A), i * B + slot, tl.arange(0, D)
@@ -118,10 +134,10 @@ def _program(ORDER, A, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl
 def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s,
         so_h, T, A, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr,
         D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-        NB: tl.constexpr):
+        NB: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1 (i0 = NB x the program's place in ORDER), KV head g: output rows and
     their log-sum-exp (base 2)."""
-    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB)
+    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB, HEADS_FIRST)
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
     srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
     m = tl.full([NB * RB], float("-inf"), tl.float32)
@@ -155,10 +171,10 @@ def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr):
 def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h,
            sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, A, scale2, scale, HKV: tl.constexpr,
            G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr):
+           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1, KV head g: dQ of their rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of
     their own keys."""
-    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB)
+    i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB, HEADS_FIRST)
     rows2d = live[:, None]
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rows2d, other=0.0)
     do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=rows2d, other=0.0)
@@ -190,11 +206,12 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 @triton.jit
 def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
             sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
-            RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+            RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+            HEADS_FIRST: tl.constexpr):
     """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
     one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md)."""
-    t = tl.load(TORDER + tl.program_id(0))
-    g = tl.program_id(1)
+    place, g = _place_and_head(HEADS_FIRST)
+    t = tl.load(TORDER + place)
     r, _, _, live, slot, head = _rows(g, G, B, RB, 1)
     d = tl.arange(0, D)
     n = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
