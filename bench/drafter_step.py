@@ -231,7 +231,7 @@ def main() -> None:
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
     from dflash_mp.model import block_attn
 
-    use_tma = block_attn.USE_TMA
+    use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
@@ -248,7 +248,7 @@ def main() -> None:
         finally:
             block_attn.TILES.update(DEFAULT_TILES)
             block_attn.USE_TMA = use_tma
-            block_attn.HEADS_FIRST = True
+            block_attn.HEADS_FIRST = heads_first
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

@@ -142,18 +142,18 @@ MEMORY_CAVEAT = ("memory is not estimated: processes that do not fit a GPU toget
 
 def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int = 1,
                   balance: float = 1.0) -> str:
-    return "\n".join([_layouts_report(world, t, d, layouts, seq_len, stages, balance), MEMORY_CAVEAT])
+    return "\n".join(_layouts_lines(world, t, d, layouts, seq_len, stages, balance) + [MEMORY_CAVEAT])
 
 
-def _layouts_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int,
-                    balance: float) -> str:
+def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int,
+                   balance: float) -> list[str]:
     best = layouts[0]
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
     if world == 1:
-        return "\n".join(lines + [
+        return lines + [
             f"one GPU: {best.samples_per_s:.4g} samples/s, {best.describe()}  <- the only layout",
             "launch: torchrun --nproc-per-node 2 -m dflash_mp.main ...  (target rank 0 and drafter rank 1 share "
-            "the GPU over the shm ring and take turns at it: topology.gpu_turns=auto)"])
+            "the GPU over the shm ring and take turns at it: topology.gpu_turns=auto)"]
     whole = best_whole_split(world, t, d, stages, balance)
     if stages > 1:
         lines.append(f"per target replica of {stages} stages: {stages * t * balance:.4g} samples/s "
@@ -182,7 +182,7 @@ def _layouts_report(world: int, t: float, d: float, layouts: list[Layout], seq_l
             f"topology.num_target_ranks={best.num_target_ranks}  (ranks beyond the GPU count wrap onto "
             "GPU 0, so the last rank, a drafter, shares GPU 0 with target rank 0 over the shm ring; "
             "groups whose members own distinct GPUs, the drafters' included, still run on NCCL)")
-    return "\n".join(lines)
+    return lines
 
 
 def run_plan(job, opts: PlanConfig) -> None:

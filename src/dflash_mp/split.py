@@ -77,10 +77,9 @@ class Layout:
             n = self.num_replicas
             return (f"{n} target replica{'s' if n > 1 else ''} x {self.stages} stages ({self.target_gpus} GPUs) "
                     f"+ {self.drafter_gpus} drafter GPUs")
-        if self.shared_gpus == 1 and not (self.target_gpus or self.drafter_gpus):
-            return f"1 GPU shared by a target and a drafter ({self.target_share:.0%} target)"
         if self.shared_gpus and not (self.target_gpus or self.drafter_gpus):
-            return f"{self.shared_gpus} GPUs each shared by a target and a drafter ({self.target_share:.0%} target)"
+            gpus = "1 GPU" if self.shared_gpus == 1 else f"{self.shared_gpus} GPUs each"
+            return f"{gpus} shared by a target and a drafter ({self.target_share:.0%} target)"
         s = f"{self.target_gpus} target + {self.drafter_gpus} drafter GPUs"
         if self.shared_gpus:
             s += f" + 1 shared ({self.target_share:.0%} target)"

@@ -70,7 +70,7 @@ USE_TMA: bool | None = None
 # places)), so the longest programs start first over all heads. Head by head instead (False, the order
 # before this option), the dK/dV kernel's 8 x T/BLOCK_N2 programs, one an SM at 8B shapes, start the
 # last heads' longest tiles after the first heads' shortest: bench/dkv_balance.py puts the last SM's
-# finish at 1.5x a perfect spread's, against 1.07-1.15x with heads first (the bench's rows, 132 SMs).
+# finish at 1.5-1.7x a perfect spread's, against 1.07-1.15x with heads first (the bench's rows, 132 SMs).
 # Read at each launch; outputs are the same bit for bit either way (no program depends on another's order).
 HEADS_FIRST = True
 
