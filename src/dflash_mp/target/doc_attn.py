@@ -16,7 +16,7 @@ opaque op stays in the graph: one graph per layer, no breaks, and Inductor fuses
 Layout, the one transformers' attention modules hand over (no copies): q `[T, Hq, D]`, k and v
 `[T, Hkv, D]` with the last dimension dense, any other strides; the output `[T, Hq, D]` contiguous.
 
-Raw queries (`attend_rope_q`, TargetWorker's `rope_q`, off by default until timed on a GPU): a Qwen3-style
+Raw queries (`attend_rope_q`, TargetWorker's `rope_q`, off by default: slower on an H100): a Qwen3-style
 layer hands the kernel its query projection before the head's RMSNorm and RoPE, and each program applies
 them to its query tile as it loads it, once per tile (the key tiles, which many programs load, keep the
 module's norm and RoPE). This is the prologue flex_attention had, done once per query tile instead of

@@ -123,8 +123,9 @@ class TargetWorker:
     RoPE) and runs on the Triton kernel hand it the query projection as it is, and the kernel applies
     the norm and RoPE as it loads each query tile (doc_attn.attend_rope_q): one pass over the queries
     less per layer (the pass took 0.75 ms of the 8B forward). Checked at load against the module's own
-    forward (check_compiled). Off by default, and so off in the job, until timed on a GPU against the
-    pass it replaces (bench/target_forward.py `-ropeq`; BENCHMARKS.md, "Not run here").
+    forward (check_compiled). Off by default: timed on an H100 against the pass it replaces, the forward
+    took 0.2-0.3 ms longer (the kernel's extra work outweighs the pass; bench/target_forward.py `-ropeq`,
+    BENCHMARKS.md, calls E1-E2).
 
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
