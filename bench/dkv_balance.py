@@ -12,9 +12,9 @@ this counts each program's work in key tiles, as the kernels walk them (model/bl
 
 It then hands the programs to `--sms` SMs in the grid's order, each SM holding `--resident` programs and
 giving each its share of time, and prints a perfect spread's time over the time the last SM finishes
-(1.0: no SM idles before the end), for the grid with the KV heads first (block_attn.HEADS_FIRST: every
-head's program of a place before the next place, longest first over all heads) and head by head (the
-order before it). `pairs`: the (query, key) pairs the mask allows over those the visited tiles compute.
+(1.0: no SM idles before the end), for the grid with the KV heads first (a kernel in block_attn.HEADS_FIRST,
+as dK/dV is: every head's program of a place before the next place, longest first over all heads) and head
+by head (the others). `pairs`: the (query, key) pairs the mask allows over those the visited tiles compute.
 Both bound what re-tiling or re-ordering a kernel can win: SMs idling at the end, and masked pairs.
 A model, not a timing: it assumes a tile takes the same time in every program.
 """

@@ -52,19 +52,20 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+fullrows` every block row through every drafter layer (DFlashObjective.shared_mask_rows=False;
     the default projects a block's mask slots once in the first layer and computes slots 1..B-1 only
     in the last); `+foreachnorm` the clip norm through `_foreach_norm` (optim.global_norm; the
-    default, compiled, reduces each gradient in Inductor's kernels); `+headslast` the block kernels'
-    programs start head by head (block_attn.HEADS_FIRST=False; the default starts every KV head's
-    program of a place in the order before the next place: longest first over all heads)."""
+    default, compiled, reduces each gradient in Inductor's kernels); `+headslast` every block kernel's
+    programs start head by head (block_attn.HEADS_FIRST empty); `+headsall` every kernel's start every
+    KV head's program of a place in the order before the next place, longest first over all heads (the
+    default: the dK/dV kernel's only)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast") or (
+                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +tiles=NAME or "
-                             f"+btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, "
+                             f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -241,7 +242,9 @@ def main() -> None:
             if flags.get("bptr"):
                 block_attn.USE_TMA = False
             if flags.get("headslast"):
-                block_attn.HEADS_FIRST = False
+                block_attn.HEADS_FIRST = frozenset()
+            if flags.get("headsall"):
+                block_attn.HEADS_FIRST = frozenset(("fwd", "dq", "dkv"))
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}

@@ -156,9 +156,9 @@ def test_shapes_the_kernels_refuse_are_named_with_the_fix():
 
 
 def check_heads_first() -> None:
-    """The launch grids put the KV heads on the axis the GPU starts fastest (block_attn.HEADS_FIRST), so
-    the programs start longest first over all heads; head by head (False) the same kernels give the same
-    outputs and gradients bit for bit."""
+    """Each kernel named in block_attn.HEADS_FIRST (the default: dK/dV's) puts the KV heads on the axis
+    the GPU starts fastest, so its programs start longest first over all heads; the others start head by
+    head. Every choice gives the same outputs and gradients bit for bit."""
     from dflash_mp.model import block_attn
     from dflash_mp.model.block_attn import block_attention
 
@@ -176,19 +176,23 @@ def check_heads_first() -> None:
     shapes = ((A * B, Hq), (T + A * B, Hkv), (T + A * B, Hkv))
     q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_() for n, h in shapes)
     grad = torch.randn(A * B, Hq, D, generator=g)
-    results = {}
-    for heads_first in (True, False):
+    places = {"fwd": spans.pair_order.shape[0], "dq": spans.pair_order.shape[0], "dkv": spans.lo.shape[0]}
+    default = block_attn.HEADS_FIRST
+    assert default == {"dkv"}, default
+    results = []
+    # each kernel alone (a kernel reading another's choice fails here), all of them, none
+    for heads_first in (default, frozenset({"fwd"}), frozenset({"dq"}), frozenset(places), frozenset()):
         block_attn.HEADS_FIRST = heads_first
         grids.clear()
         out = block_attention(q, k, v, spans)
-        results[heads_first] = (out, *torch.autograd.grad(out, (q, k, v), grad))
-        places = {"block_attn_fwd": spans.pair_order.shape[0], "block_attn_bwd_dq": spans.pair_order.shape[0],
-                  "block_attn_bwd_dkv": spans.lo.shape[0]}
-        assert sorted(grids) == sorted((name, (Hkv, n) if heads_first else (n, Hkv)) for name, n in places.items()), \
-            (heads_first, grids)
-    block_attn.HEADS_FIRST = True
-    for name, a, b in zip(("out", "dq", "dk", "dv"), results[True], results[False]):
-        assert torch.equal(a, b), name
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        want = [(f"block_attn_{'bwd_' * (name != 'fwd')}{name}", (Hkv, n) if name in heads_first else (n, Hkv))
+                for name, n in places.items()]
+        assert sorted(grids) == sorted(want), (heads_first, grids)
+    block_attn.HEADS_FIRST = default
+    for other in results[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), results[0], other):
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
@@ -221,7 +225,7 @@ def test_heads_first_spreads_the_dkv_programs_of_the_bench_rows_over_the_sms():
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_programs_start_longest_first_over_all_kv_heads_with_the_same_results():
+def test_the_kernels_named_start_their_programs_longest_first_over_all_kv_heads_with_the_same_results():
     run = triton_interp.run("test_block_attn", "check_heads_first()")
     assert run.returncode == 0, run.stderr[-3000:]
 

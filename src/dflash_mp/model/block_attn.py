@@ -23,8 +23,8 @@ The forward and dQ may take two consecutive blocks' rows as one tile (`TILES["q_
 2 x G*B fits in MAX_ROWS): the matmuls get twice the rows for each key/value tile loaded. Consecutive blocks of one document share their span's start; each row keeps to
 its own block's span.
 
-Programs run longest span first (`order`) over all KV heads (`HEADS_FIRST`), so the long ones do not
-start in the last wave. On sm_90
+Programs run longest span first (`order`); the dK/dV kernel's over all KV heads (`HEADS_FIRST`), so
+the long ones do not start in the last wave. On sm_90
 and later the forward and dQ load their context tiles through tensor descriptors (TMA, `USE_TMA`), as
 the target's doc_attn.py loads its key tiles.
 Deterministic: no atomics. Triton is imported on first use; on CPU the kernels run in Triton's
@@ -66,19 +66,21 @@ MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the 
 # strides); None decides so, True or False forces it (tests run both paths in Triton's interpreter;
 # benches compare them). The block's own keys and the dK/dV kernel load through pointers either way.
 USE_TMA: bool | None = None
-# The programs of all KV heads at one place in a kernel's order start together (the grid is (KV heads,
-# places)), so the longest programs start first over all heads. Head by head instead (False, the order
-# before this option), the dK/dV kernel's 8 x T/BLOCK_N2 programs, one an SM at 8B shapes, start the
-# last heads' longest tiles after the first heads' shortest: bench/dkv_balance.py puts the last SM's
-# finish at 1.5-1.7x a perfect spread's, against 1.07-1.15x with heads first (the bench's rows, 132 SMs).
+# The kernels ("fwd", "dq", "dkv") whose programs of all KV heads at one place in the kernel's order start
+# together (the grid is (KV heads, places)), so the longest programs start first over all heads; the others
+# start head by head ((places, KV heads)). The dK/dV kernel's 8 x T/BLOCK_N2 programs, one an SM at 8B
+# shapes, started head by head start the last heads' longest tiles after the first heads' shortest:
+# bench/dkv_balance.py puts the last SM's finish at 1.5-1.7x a perfect spread's, against 1.07-1.15x heads
+# first (the bench's rows, 132 SMs); timed on an H100, dK/dV took 3.0-3.2 ms a step against 4.1-4.2. The
+# forward and dQ launch ~2,000 programs of similar lengths, which spread either way; dQ ran 0.04-0.14 ms a
+# step slower heads first (BENCHMARKS.md, calls E1-E2), so they start head by head.
 # Read at each launch; outputs are the same bit for bit either way (no program depends on another's order).
-# Timed on an H100 (BENCHMARKS.md, calls E1-E2): dK/dV 3.0-3.2 ms a step against 4.1-4.2 head by head.
-HEADS_FIRST = True
+HEADS_FIRST: frozenset[str] = frozenset({"dkv"})
 
 
-def _grid(places: int, kv_heads: int) -> tuple[int, int]:
-    """The launch grid of `places` programs in a kernel's order for each of `kv_heads` KV heads (HEADS_FIRST)."""
-    return (kv_heads, places) if HEADS_FIRST else (places, kv_heads)
+def _grid(kernel: str, places: int, kv_heads: int) -> tuple[int, int]:
+    """The launch grid of `kernel`'s `places` programs in its order for each of `kv_heads` KV heads (HEADS_FIRST)."""
+    return (kv_heads, places) if kernel in HEADS_FIRST else (places, kv_heads)
 
 
 def _next_pow2(n: int) -> int:
@@ -187,11 +189,11 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["BLOCK_N"])
-    launch(fwd, _grid(order.shape[0], hkv),
+    launch(fwd, _grid("fwd", order.shape[0], hkv),
            (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), T, A, scale * math.log2(math.e)),
            dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
-                PREC=input_precision(q), TMA=tma, NB=q_blocks, HEADS_FIRST=HEADS_FIRST),
+                PREC=input_precision(q), TMA=tma, NB=q_blocks, HEADS_FIRST="fwd" in HEADS_FIRST),
            TILES["fwd_warps"], TILES["fwd_stages"], q.device)
     return out, lse
 
@@ -218,19 +220,19 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     delta = torch.empty_like(lse)
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
-    common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q),
-                  HEADS_FIRST=HEADS_FIRST)
+    common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q))
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["DQ_BLOCK_N"])
-    launch(dq_kernel, _grid(order.shape[0], hkv),
+    launch(dq_kernel, _grid("dq", order.shape[0], hkv),
            (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), grad.stride(0),
             grad.stride(1), T, A, scale2, scale),
-           dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma, NB=q_blocks), TILES["dq_warps"], TILES["dq_stages"],
-           q.device)
-    launch(dkv_kernel, _grid(lo.shape[0], hkv),
+           dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma, NB=q_blocks, HEADS_FIRST="dq" in HEADS_FIRST),
+           TILES["dq_warps"], TILES["dq_stages"], q.device)
+    launch(dkv_kernel, _grid("dkv", lo.shape[0], hkv),
            (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-           dict(common, BLOCK_N2=key_tile), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
+           dict(common, BLOCK_N2=key_tile, HEADS_FIRST="dkv" in HEADS_FIRST), TILES["dkv_warps"], TILES["dkv_stages"],
+           q.device)
     return dq, dk, dv
 
 
