@@ -81,9 +81,20 @@ def consumed(run_dir: str) -> dict[int, dict[str, float]]:
 
 
 def worker_pids(agent_pid: int) -> list[int]:
-    """Direct children of the torchrun agent: its workers."""
+    """The torchrun agent's live workers (its direct children with a RANK), in rank order: read from each
+    one's environment, not assumed from the order the kernel lists the children in."""
     with open(f"/proc/{agent_pid}/task/{agent_pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+        children = [int(p) for p in f.read().split()]
+    ranks = {}
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:  # empty for a worker that has exited
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except FileNotFoundError:  # reaped since the listing
+            continue
+        if b"RANK" in env:
+            ranks[int(env[b"RANK"])] = pid
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def signal_workers(agent_pid: int, sig=signal.SIGTERM) -> list[int]:
