@@ -244,7 +244,7 @@ def main() -> None:
             if flags.get("headslast"):
                 block_attn.HEADS_FIRST = frozenset()
             if flags.get("headsall"):
-                block_attn.HEADS_FIRST = frozenset(("fwd", "dq", "dkv"))
+                block_attn.HEADS_FIRST = frozenset(block_attn.KERNELS)
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}

@@ -176,7 +176,7 @@ def check_heads_first() -> None:
     shapes = ((A * B, Hq), (T + A * B, Hkv), (T + A * B, Hkv))
     q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_() for n, h in shapes)
     grad = torch.randn(A * B, Hq, D, generator=g)
-    places = {"fwd": spans.pair_order.shape[0], "dq": spans.pair_order.shape[0], "dkv": spans.lo.shape[0]}
+    places = dict(zip(block_attn.KERNELS, (spans.pair_order.shape[0], spans.pair_order.shape[0], spans.lo.shape[0])))
     default = block_attn.HEADS_FIRST
     assert default == {"dkv"}, default
     results = []

@@ -75,12 +75,15 @@ USE_TMA: bool | None = None
 # forward and dQ launch ~2,000 programs of similar lengths, which spread either way; dQ ran 0.04-0.14 ms a
 # step slower heads first (BENCHMARKS.md, calls E1-E2), so they start head by head.
 # Read at each launch; outputs are the same bit for bit either way (no program depends on another's order).
+KERNELS = ("fwd", "dq", "dkv")
 HEADS_FIRST: frozenset[str] = frozenset({"dkv"})
 
 
-def _grid(kernel: str, places: int, kv_heads: int) -> tuple[int, int]:
-    """The launch grid of `kernel`'s `places` programs in its order for each of `kv_heads` KV heads (HEADS_FIRST)."""
-    return (kv_heads, places) if kernel in HEADS_FIRST else (places, kv_heads)
+def _launch_order(kernel: str, places: int, kv_heads: int) -> tuple[tuple[int, int], dict]:
+    """`kernel`'s launch grid for `places` programs in its order for each of `kv_heads` KV heads, and the
+    kernel's HEADS_FIRST constexpr, which must read the grid's axes as they are laid out: both from one choice."""
+    first = kernel in HEADS_FIRST
+    return ((kv_heads, places) if first else (places, kv_heads)), dict(HEADS_FIRST=first)
 
 
 def _next_pow2(n: int) -> int:
@@ -189,11 +192,12 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     lse = torch.empty(A * hkv * rows, dtype=torch.float32, device=q.device)
     fwd, _, _ = _kernels()
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["BLOCK_N"])
-    launch(fwd, _grid("fwd", order.shape[0], hkv),
+    grid, heads = _launch_order("fwd", order.shape[0], hkv)
+    launch(fwd, grid,
            (q, k, v, kd, vd, out, lse, start, end, anchor, order, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), out.stride(0), out.stride(1), T, A, scale * math.log2(math.e)),
            dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, BLOCK_N=TILES["BLOCK_N"], WINDOW=window,
-                PREC=input_precision(q), TMA=tma, NB=q_blocks, HEADS_FIRST="fwd" in HEADS_FIRST),
+                PREC=input_precision(q), TMA=tma, NB=q_blocks, **heads),
            TILES["fwd_warps"], TILES["fwd_stages"], q.device)
     return out, lse
 
@@ -222,17 +226,18 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     scale2 = scale * math.log2(math.e)
     common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q))
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["DQ_BLOCK_N"])
-    launch(dq_kernel, _grid("dq", order.shape[0], hkv),
+    grid, heads = _launch_order("dq", order.shape[0], hkv)
+    launch(dq_kernel, grid,
            (q, k, v, kd, vd, out, grad, lse, delta, dq, dk, dv, start, end, anchor, order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), grad.stride(0),
             grad.stride(1), T, A, scale2, scale),
-           dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma, NB=q_blocks, HEADS_FIRST="dq" in HEADS_FIRST),
+           dict(common, BLOCK_N=TILES["DQ_BLOCK_N"], TMA=tma, NB=q_blocks, **heads),
            TILES["dq_warps"], TILES["dq_stages"], q.device)
-    launch(dkv_kernel, _grid("dkv", lo.shape[0], hkv),
+    grid, heads = _launch_order("dkv", lo.shape[0], hkv)
+    launch(dkv_kernel, grid,
            (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-           dict(common, BLOCK_N2=key_tile, HEADS_FIRST="dkv" in HEADS_FIRST), TILES["dkv_warps"], TILES["dkv_stages"],
-           q.device)
+           dict(common, BLOCK_N2=key_tile, **heads), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
 
