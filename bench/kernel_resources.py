@@ -136,10 +136,9 @@ def _cases():
                    _with_tma(block_attn, tma, lambda: _drafter_attention(hq, hkv, d, b, window)))
     for name, hq, hkv, d in TARGETS:
         for tma in (True, False):
-            for rope_q in (False, True) if d in doc_attn.ROPE_Q_HEAD_DIMS else (False,):
-                yield (f"target {name}{'' if tma else ' pointers'}{' rope_q' if rope_q else ''}",
-                       lambda hq=hq, hkv=hkv, d=d, tma=tma, rope_q=rope_q:
-                       _with_tma(doc_attn, tma, lambda: _target_attention(hq, hkv, d, rope_q)))
+            yield (f"target {name}{'' if tma else ' pointers'}",
+                   lambda hq=hq, hkv=hkv, d=d, tma=tma:
+                   _with_tma(doc_attn, tma, lambda: _target_attention(hq, hkv, d)))
     for name, vocab in VOCABS:
         yield f"loss {name}", lambda vocab=vocab: _loss(vocab)
 
@@ -167,18 +166,12 @@ def _drafter_attention(hq: int, hkv: int, d: int, b: int, window: int | None) ->
     block_attention(q, k, v, block_spans(anchors, valid, docs, b, window)).sum().backward()
 
 
-def _target_attention(hq: int, hkv: int, d: int, rope_q: bool = False) -> None:
-    """The target's attention; `rope_q`: with the queries' norm and RoPE in the kernel (attend_rope_q)."""
-    from dflash_mp.target.doc_attn import doc_attention, doc_attention_rope_q_op, doc_rows
+def _target_attention(hq: int, hkv: int, d: int) -> None:
+    from dflash_mp.target.doc_attn import doc_attention, doc_rows
 
     T = 256
     q, k, v = (torch.randn(T, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    rows = doc_rows(torch.cat([torch.zeros(100), torch.ones(T - 100)]).long(), d)
-    if rope_q:
-        w, cos, sin = torch.ones(d, dtype=q.dtype), torch.ones(T, d, dtype=q.dtype), torch.zeros(T, d, dtype=q.dtype)
-        doc_attention_rope_q_op(q, k, v, rows.low, rows.order, w, cos, sin, 1e-6, d ** -0.5, rows.block_m)
-    else:
-        doc_attention(q, k, v, rows)
+    doc_attention(q, k, v, doc_rows(torch.cat([torch.zeros(100), torch.ones(T - 100)]).long(), d))
 
 
 def _loss(vocab: int) -> None:

@@ -17,9 +17,6 @@ descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward re
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
-`-ropeq` (before `-graph`): the kernel normalizes and rotates the queries as it loads each query tile
-instead of the layers' attention modules doing it (a pass Inductor fuses before the kernel), for
-Qwen3-style attention (TargetWorker's rope_q, off by default), e.g. `trunc-triton-compiled-ropeq-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
 Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
 template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
@@ -113,8 +110,7 @@ def main() -> None:
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      defer_residual="-nodefer" not in v, compile_options=options,
-                                      rope_q="-ropeq" in v)
+                                      defer_residual="-nodefer" not in v, compile_options=options)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

@@ -154,32 +154,11 @@ def test_key_tiles_that_do_not_divide_the_query_tiles_are_refused(monkeypatch):
 
 
 # ---------------------------------------------------------------------- the kernel (interpreter, CPU)
-def rope_tables(docs: torch.Tensor, D: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's (cos, sin) [T, D] for a packed row's positions (each document from 0), theta 1e4."""
-    from dflash_mp.batch import document_starts
-
-    pos = (torch.arange(docs.shape[0], device=docs.device) - document_starts(docs)).float()
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device=docs.device).float() / D)
-    ang = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def normed_rotated(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """What attend_rope_q's kernel reads q as: the head's RMSNorm, then RoPE (rotate-half), in fp32."""
-    q, w, cos, sin = q.float(), w.float(), cos.float()[:, None], sin.float()[:, None]
-    n = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * w
-    a, b = n.chunk(2, dim=-1)
-    return n * cos + torch.cat([-b, a], dim=-1) * sin
-
-
-def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False, q_layout="thd",
-            rope_q=False):
+def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False, q_layout="thd"):
     """The kernel's output against fp32 dense sdpa on the document mask: relative L2 error.
-    `q_layout="htd"`: q, k, v are [H, T, D] tensors handed over as [T, H, D] views (transformers' layout).
-    `rope_q`: q goes in before a RMSNorm (random weight) and RoPE of the row's positions, which the
-    kernel applies (doc_attention_rope_q_op); the reference applies them in fp32 in torch."""
+    `q_layout="htd"`: q, k, v are [H, T, D] tensors handed over as [T, H, D] views (transformers' layout)."""
     from dflash_mp.target import doc_attn
-    from dflash_mp.target.doc_attn import doc_attention, doc_attention_rope_q_op
+    from dflash_mp.target.doc_attn import doc_attention
 
     docs = doc_ids(T, lens).to(device)
     g = torch.Generator().manual_seed(1)
@@ -188,19 +167,10 @@ def compare(T, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, comp
         q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
     assert doc_attn.USE_TMA is not True or use_tma(True, k, v)  # forced: the descriptors can take these
     rows = doc_rows(docs, D, window)
-    if rope_q:
-        w = (0.5 + torch.rand(D, generator=g)).to(device, dtype)
-        cos, sin = rope_tables(docs, D, dtype)
-        eps = 1e-6
-
-        def attend(q, k, v, rows):
-            return doc_attention_rope_q_op(q, k, v, rows.low, rows.order, w, cos, sin, eps, D ** -0.5, rows.block_m)
-    else:
-        attend = doc_attention
-    fn = torch.compile(attend, fullgraph=True) if compiled else attend
+    fn = torch.compile(doc_attention, fullgraph=True) if compiled else doc_attention
     out = fn(q, k, v, rows)
     assert out.shape == q.shape and out.is_contiguous()
-    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (normed_rotated(q, w, cos, sin, eps) if rope_q else q, k, v))
+    qf, kf, vf = (x.float().transpose(0, 1)[None] for x in (q, k, v))
     ref = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=dense(docs, window), enable_gqa=True)[0]
     ref = ref.transpose(0, 1)
     return float((out.float() - ref).norm() / ref.norm())
@@ -214,9 +184,8 @@ def check_kernel() -> None:
         doc_attn.USE_TMA = tma
         for case in CASES:
             for layout in ("thd", "htd"):
-                for rope_q in (False, True):
-                    err = compare(*case, q_layout=layout, rope_q=rope_q)
-                    assert err < 1e-5, (tma, case, layout, rope_q, err)
+                err = compare(*case, q_layout=layout)
+                assert err < 1e-5, (tma, case, layout, err)
     doc_attn.TILES[64] = (32, 32, 4, 1)  # key tiles as large as the query tiles
     err = compare(*CASES[0])
     assert err < 1e-5, err
@@ -257,90 +226,6 @@ def test_a_target_through_the_kernel_equals_the_sdpa_one_in_the_triton_interpret
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_only_qwen3_style_attention_hands_the_kernel_its_raw_queries():
-    """The layout check of the queries' norm and RoPE inside the kernel (doc_attn.attend_rope_q):
-    Qwen3's attention passes; Llama's (no head norms) and Qwen3.5's gated attention (q_proj gives the
-    queries and a gate) are named with the reason."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
-
-    from dflash_mp.archs import TINY_ARCHS, hf_config
-    from dflash_mp.target.doc_attn import rope_q_unsupported
-
-    qwen3 = tiny_qwen3(CPU, torch.float32, head_dim=64).model.layers[0].self_attn
-    assert rope_q_unsupported(qwen3, 64, 4) is None
-    assert "gives 256 features, not 8 x 64" in rope_q_unsupported(qwen3, 64, 8)
-    wide = tiny_qwen3(CPU, torch.float32, head_dim=256).model.layers[0].self_attn  # registers: see ROPE_Q_HEAD_DIMS
-    assert rope_q_unsupported(wide, 256, 4) == "head_dim=256 (the kernel takes raw queries at 64, 128)"
-    qwen3.q_norm = torch.nn.LayerNorm(64)
-    assert "its q_norm is not Qwen3's RMSNorm" in rope_q_unsupported(qwen3, 64, 4)
-    llama = LlamaAttention(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 0)
-    assert "its submodules are ['k_proj', 'o_proj', 'q_proj', 'v_proj']" in rope_q_unsupported(llama, 16, 4)
-    text = hf_config(TINY_ARCHS["tiny-qwen3.5"], vocab_size=96)
-    gated = Qwen3_5Attention(text, text.layer_types.index("full_attention"))
-    why = rope_q_unsupported(gated, text.head_dim, text.num_attention_heads)
-    assert why == f"its q_proj gives {2 * text.num_attention_heads * text.head_dim} features, not " \
-                  f"{text.num_attention_heads} x {text.head_dim}", why
-
-
-def check_worker_rope_q() -> None:
-    """A tiny Qwen3 whose query and key norms have weights of their own: compiled on the kernel, its
-    layers run the queries' norm and RoPE inside it, pass the load check and capture what the sdpa
-    worker does. One layer's query norm swapped for one of other arithmetic with the same layout
-    (Gemma's 1 + weight) is caught by the load check: the layers compile with the modules' attention
-    and again capture what sdpa does."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-    from dflash_mp.target import doc_attn
-
-    doc_attn.TILES.update(SMALL_TILES)
-    model = tiny_qwen3(CPU, torch.float32, window=20, head_dim=64)
-    g = torch.Generator().manual_seed(3)
-    for layer in model.model.layers:
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
-    rows = [packed([37, 50, 30], 128, 96), packed([3, 60, 4, 26, 2], 128, 96, seed=1)]
-
-    def check(expect_rope_q: bool) -> None:
-        from torch._dynamo.utils import counters
-
-        want = [worker_with(model, "sdpa", CPU).forward(pb).hidden for pb in rows]
-        assert not worker_with(model, "triton", CPU, compile=True).rope_q  # off by default
-        worker = TargetWorker(model, [1, 2, 3], CPU, compile=True, rope_q=True)
-        assert worker.rope_q and worker.deferred
-        breaks = sum(counters["graph_break"].values())
-        assert worker.check_compiled(probe_len=96) < 1e-4
-        assert worker.rope_q is expect_rope_q and worker.deferred
-        graphs = counts()["graphs"]
-        for pb, w in zip(rows, want):
-            torch.testing.assert_close(worker.forward(pb).hidden, w, rtol=1e-4, atol=1e-5)
-        assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])  # the op in the graph
-        assert counts()["graphs"] - graphs <= 2  # the rows' length: one graph per layer kind (full, sliding)
-        plain = TargetWorker(model, [1, 2, 3], CPU, compile=True, rope_q=False)
-        assert not plain.rope_q and plain.deferred
-        torch.testing.assert_close(plain.forward(rows[0]).hidden, want[0], rtol=1e-4, atol=1e-5)
-
-    check(expect_rope_q=True)
-
-    class OnePlusWeight(Qwen3RMSNorm):
-        def forward(self, x):
-            n = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-            return (n * (1 + self.weight.float())).to(x.dtype)
-
-    attn = model.model.layers[2].self_attn
-    odd = OnePlusWeight(attn.q_norm.weight.shape[0], eps=attn.q_norm.variance_epsilon)
-    odd.weight.data.copy_(attn.q_norm.weight)
-    attn.q_norm = odd
-    check(expect_rope_q=False)
-
-
-@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_a_target_with_the_queries_norm_and_rope_in_the_kernel_equals_the_sdpa_one_in_the_triton_interpreter():
-    run = triton_interp.run("test_doc_attn", "check_worker_rope_q()")
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
 # ------------------------------------------------------------------------------------- the GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -348,18 +233,16 @@ def test_a_target_with_the_queries_norm_and_rope_in_the_kernel_equals_the_sdpa_o
 @pytest.mark.parametrize("window", [None, 300])
 def test_the_kernel_equals_dense_attention_on_cuda(D, window):
     """bf16 at the real tiles, eager and compiled, GQA of 4 and T not a tile multiple; key/value tiles
-    through tensor descriptors (the default on sm_90+) and through pointers; q as it is and q before its
-    norm and RoPE (rope_q)."""
+    through tensor descriptors (the default on sm_90+) and through pointers."""
     from dflash_mp.target import doc_attn
 
     try:
         for tma in (None, False):
             doc_attn.USE_TMA = tma
             for compiled in (False, True):
-                for rope_q in (False, True):
-                    err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16,
-                                  compiled=compiled, q_layout="htd", rope_q=rope_q)
-                    assert err < 1e-2, (tma, compiled, rope_q, err)
+                err = compare(1000, 8, 2, D, window, [130, 511, 300], device="cuda", dtype=torch.bfloat16,
+                              compiled=compiled, q_layout="htd")
+                assert err < 1e-2, (tma, compiled, err)
     finally:
         doc_attn.USE_TMA = None
 
@@ -367,26 +250,15 @@ def test_the_kernel_equals_dense_attention_on_cuda(D, window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_target_through_the_kernel_equals_flex_on_cuda():
-    """A tiny Qwen3 (bf16, head_dim 128, sliding-window layers) compiled as the job runs it, and with the
-    queries' norm and RoPE inside the kernel (rope_q): the load check passes; captures within bf16
-    rounding of flex_attention's; no graph break; a row of another document count compiles nothing new."""
-    model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
-    g = torch.Generator().manual_seed(3)
-    for layer in model.model.layers:  # head norms with weights of their own, for the kernel's q norm to apply
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
-    rows = [packed([300, 520, 130], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1)]
-    flex = [worker_with(model, "flex_attention", CUDA).forward(pb).hidden for pb in rows]
-    for rope_q in (False, True):  # the queries' norm and RoPE before the kernel, then inside it
-        check_target_against_flex(model, rows, flex, rope_q)
-
-
-def check_target_against_flex(model, rows, flex, rope_q: bool) -> None:
+    """A tiny Qwen3 (bf16, head_dim 128, sliding-window layers) compiled as the job runs it: captures
+    within bf16 rounding of flex_attention's; no graph break; a row of another document count
+    compiles nothing new."""
     from torch._dynamo.utils import counters
 
-    model.config._attn_implementation = "triton"
-    worker = TargetWorker(model, [1, 2, 3], CUDA, compile=True, rope_q=rope_q)
-    assert worker.check_compiled(probe_len=512) < 2e-2 and worker.rope_q is rope_q
+    model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
+    rows = [packed([300, 520, 130], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1)]
+    flex = [worker_with(model, "flex_attention", CUDA).forward(pb).hidden for pb in rows]
+    worker = worker_with(model, "triton", CUDA, compile=True)
     breaks = sum(counters["graph_break"].values())
     graphs = counts()["graphs"]
     worker.forward(rows[0])

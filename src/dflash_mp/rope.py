@@ -1,6 +1,5 @@
-"""Rotary position embedding in transformers' rotate-half form, shared by the drafter's attention and the
-target's attention with its queries in the kernel (target/doc_attn.py): dimension j is rotated with
-j + D/2."""
+"""Rotary position embedding in transformers' rotate-half form, as the drafter's attention applies it:
+dimension j is rotated with j + D/2."""
 
 from __future__ import annotations
 

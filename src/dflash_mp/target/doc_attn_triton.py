@@ -2,8 +2,7 @@
 Module-level functions, so the jitted helper resolves in Triton's CPU interpreter too. `PREC`: the
 matmuls' input precision, "ieee" for fp32 inputs (an fp32 target stays fp32, not TF32). `TMA`: K and V
 are tensor descriptors over `[T, Hkv, D]` (the copy engine of Hopper and later loads the key tiles,
-out-of-range rows as zeros), else pointers. `ROPE_Q`: Q holds the query projection before its RMSNorm
-and RoPE, which the program applies to its tile as it loads it (`_rope_q`)."""
+out-of-range rows as zeros), else pointers."""
 
 import triton
 import triton.language as tl
@@ -45,30 +44,9 @@ def _keys(acc, m, l, q, K, V, g, k_base, v_base, sk_t, sv_t, rows, low, n_lo, n_
 
 
 @triton.jit
-def _rope_q(Q, W, COS, SIN, rows, live, h, sq_t, sq_h, sc_t, eps, D: tl.constexpr):
-    """Rows `rows` of query head h through the head's RMSNorm (weight W, `eps`) and then RoPE (tables
-    COS/SIN `[T, D]`, dimension j paired with j + D/2 as rotate-half pairs them), in fp32, returned in
-    Q's dtype. Worked in halves of D, so that fewer fp32 tiles are live at once (registers)."""
-    H: tl.constexpr = D // 2
-    j = tl.arange(0, H)
-    at = Q + rows[:, None] * sq_t + h * sq_h + j[None, :]
-    a = tl.load(at, mask=live[:, None], other=0.0).to(tl.float32)
-    b = tl.load(at + H, mask=live[:, None], other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
-    a = a * r * tl.load(W + j).to(tl.float32)[None, :]
-    b = b * r * tl.load(W + H + j).to(tl.float32)[None, :]
-    tab = rows[:, None] * sc_t + j[None, :]
-    qa = (a * tl.load(COS + tab, mask=live[:, None], other=0.0).to(tl.float32)
-          - b * tl.load(SIN + tab, mask=live[:, None], other=0.0).to(tl.float32)).to(Q.dtype.element_ty)
-    qb = (b * tl.load(COS + tab + H, mask=live[:, None], other=0.0).to(tl.float32)
-          + a * tl.load(SIN + tab + H, mask=live[:, None], other=0.0).to(tl.float32)).to(Q.dtype.element_ty)
-    return tl.reshape(tl.permute(tl.join(qa, qb), (0, 2, 1)), (qa.shape[0], D))  # [qa | qb]
-
-
-@triton.jit
-def doc_attn_fwd(Q, K, V, O, LOW, ORDER, W, COS, SIN, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sc_t, T,
-                 scale2, eps, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PREC: tl.constexpr, TMA: tl.constexpr, ROPE_Q: tl.constexpr):
+def doc_attn_fwd(Q, K, V, O, LOW, ORDER, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, T, scale2,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PREC: tl.constexpr, TMA: tl.constexpr):
     """Query head h (program axis 0), query tile ORDER[axis 1]: rows [m0, m0 + BLOCK_M), row i seeing
     keys [LOW[i], i]. Three key ranges: tiles some row sees only in part (masked), tiles every row sees
     whole (no mask), and the diagonal (masked)."""
@@ -78,10 +56,7 @@ def doc_attn_fwd(Q, K, V, O, LOW, ORDER, W, COS, SIN, sq_t, sq_h, sk_t, sk_h, sv
     rows = m0 + tl.arange(0, BLOCK_M)
     live = rows < T
     d = tl.arange(0, D)
-    if ROPE_Q:
-        q = _rope_q(Q, W, COS, SIN, rows, live, h, sq_t, sq_h, sc_t, eps, D)
-    else:
-        q = tl.load(Q + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * sq_t + h * sq_h + d[None, :], mask=live[:, None], other=0.0)
     low = tl.load(LOW + rows, mask=live, other=0)
     last = tl.minimum(m0 + BLOCK_M, T) - 1
     lo = (tl.load(LOW + m0) // BLOCK_N) * BLOCK_N

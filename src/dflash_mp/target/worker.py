@@ -18,8 +18,7 @@ from ..batch import HiddenBatch, PackedBatch, join_rows
 from ..cuda_graph import describe_state
 from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
-from .doc_attn import (ATTN_NAME as DOC_ATTENTION, attend_rope_q, doc_rows, register as register_doc_attention,
-                       rope_q_unsupported, unsupported)
+from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
 from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
                         choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
@@ -55,20 +54,15 @@ class DeferredAdd(nn.Module):
     fused add and norm after attention already do (the 8B target's captured layers move by bf16
     noise, BENCHMARKS.md)."""
 
-    def __init__(self, layer: nn.Module, rope_q: bool = False):
+    def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
-        self.rope_q = rope_q  # the attention through attend_rope_q (TargetWorker.rope_q)
 
     def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
         h = residual + delta  # the previous layer's output
         layer = self.layer
-        x = layer.input_layernorm(h)
-        if self.rope_q:
-            a = attend_rope_q(layer.self_attn, x, attention_mask, position_embeddings)
-        else:
-            a = layer.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                position_embeddings=position_embeddings)[0]
+        a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=attention_mask,
+                            position_ids=position_ids, position_embeddings=position_embeddings)[0]
         mid = h + a
         m = layer.mlp(layer.post_attention_layernorm(mid))
         return h, mid, (m[0] if isinstance(m, tuple) else m)
@@ -119,14 +113,6 @@ class TargetWorker:
     (residual, delta) pair and it adds them inside its input norm (DeferredAdd): one pass over the
     residual stream less per layer (0.6 ms of an 8B forward). Checked at load (check_compiled).
 
-    `rope_q`: deferred layers whose attention is Qwen3's (a RMSNorm on each query and key head before
-    RoPE) and runs on the Triton kernel hand it the query projection as it is, and the kernel applies
-    the norm and RoPE as it loads each query tile (doc_attn.attend_rope_q): one pass over the queries
-    less per layer (the pass took 0.75 ms of the 8B forward). Checked at load against the module's own
-    forward (check_compiled). Off by default: timed on an H100 against the pass it replaces, the forward
-    took 0.2-0.3 ms longer (the kernel's extra work outweighs the pass; bench/target_forward.py `-ropeq`,
-    BENCHMARKS.md, calls E1-E2).
-
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
     """
@@ -134,7 +120,7 @@ class TargetWorker:
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
                  compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
-                 compile_options: dict | None = None, rope_q: bool = False):
+                 compile_options: dict | None = None):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -190,16 +176,11 @@ class TargetWorker:
         self.compile_options = {**COMPILE_OPTIONS, **(compile_options or {})}
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
         self.deferred = False  # the compiled layers are DeferredAdds
-        self.rope_q = False  # ... whose attention runs through attend_rope_q
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
             self.deferred = defer_residual and all({n for n, _ in decoder.layers[i].named_children()} == PLAIN_LAYER
                                                    for i in range(first, end))
-            heads = config.get_text_config().num_attention_heads
-            self.rope_q = rope_q and self.deferred and self.triton and all(
-                rope_q_unsupported(decoder.layers[i].self_attn, self.head_dim, heads) is None
-                for i in range(first, end))
             self._compile_layers()
             self._run = self._forward
         elif compile_scope == "forward":
@@ -258,7 +239,7 @@ class TargetWorker:
 
     def _compile_layers(self) -> None:
         first, end = self.stage_layers
-        self._calls = [torch.compile(DeferredAdd(m, self.rope_q) if self.deferred else m, dynamic=False,
+        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False,
                                      options=self.compile_options)
                        if first <= i < end else m for i, m in enumerate(self.decoder.layers)]
 
@@ -444,13 +425,11 @@ class TargetWorker:
                         "(mean relative, tolerance %.0e): running the target eager. target.compile=false "
                         "skips the compile and this check.", name, rel, tol)
             self.compiled, self._run, self._calls, self.deferred = False, self._forward, self._eager_calls, False
-            self.rope_q = False
             # The graph captures `_calls` as they are when it first runs, after this: eager layers now.
         else:
             log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)%s", name,
                      *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol,
-                     ("; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
-                     + ("; the query heads' norm and RoPE run inside the attention kernel" if self.rope_q else ""))
+                     "; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
         return rel
 
     def _check_layers(self, row, h: torch.Tensor) -> float:
@@ -465,44 +444,14 @@ class TargetWorker:
         for i in range(*self.stage_layers):
             want = row.run(self, i, h)
             if self.deferred and not torch.equal(row.run(self, i, h, deferred=True), want):
-                return self._recheck(row, h0, ("deferred", "rope_q"), "layer %d run with its residual add deferred "
-                                     "to the next layer differs from its own forward; compiling the layers as they "
-                                     "are", i)
-            why = self._rope_q_differs(row, i, h) if self.rope_q else None
-            if why:
-                return self._recheck(row, h0, ("rope_q",), "layer %d's attention with its query norm and RoPE inside "
-                                     "the kernel differs from the module's own forward (%s); compiling the layers "
-                                     "with the module's attention", i, why)
+                log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
+                            "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
+                self.deferred = False
+                self._compile_layers()
+                return self._check_layers(row, h0)
             rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
             h = want
         return rel
-
-    def _recheck(self, row, h: torch.Tensor, turn_off: tuple[str, ...], why: str, *args) -> float:
-        """A layer failed one of _check_layers' checks: warn (`why % args`), turn the options named in
-        `turn_off` off, compile the layers again without them and check from the probe row's input h."""
-        log.warning("target %s: " + why, type(self.model).__name__, *args)
-        for name in turn_off:
-            setattr(self, name, False)
-        self._compile_layers()
-        return self._check_layers(row, h)
-
-    def _rope_q_differs(self, row, i: int, h: torch.Tensor) -> str | None:
-        """Why layer i's attention through attend_rope_q is not its module's own (None: it equals it to
-        rounding), run eager on the probe row's input h to the layer. The layout check cannot see what
-        a norm computes (Gemma's norms scale by 1 + weight) or how RoPE pairs dimensions."""
-        from .packing import per_token_rel
-
-        layer = self.decoder.layers[i]
-        x, mask = layer.input_layernorm(h), row.masks[self.layer_types[i]]
-        want = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=row.pos,
-                               position_embeddings=row.rope)[0]
-        try:
-            got = attend_rope_q(layer.self_attn, x, mask, row.rope)
-        except ValueError as e:
-            return str(e)
-        rel = float(per_token_rel(got, want).mean())
-        tol = 1e-4 if self.dtype == torch.float32 else 2e-2
-        return None if rel <= tol else f"{rel:.1e} mean relative difference per token, tolerance {tol:.0e}"
 
     def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
         from .packing import check_packing
