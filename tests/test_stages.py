@@ -14,6 +14,7 @@ from dflash_mp.builtin import build_demo_tokenizer, resolve_target_path
 from dflash_mp.flops import layer_forward_flops
 from dflash_mp.stages import balanced_split, layer_costs, plan_stages
 from dflash_mp.target import TargetWorker, linear_attn, load_target_config
+from dflash_mp.target.weights import stage_memory_error, stage_weight_bytes
 
 CPU = torch.device("cpu")
 
@@ -130,6 +131,7 @@ def test_stages_capture_exactly_what_one_stage_captures(tmp_path, kind):
     whole = TargetWorker.load(path, layer_ids, CPU, torch.float32)
     want = whole.forward(pb).hidden
     full_params = {k: v for k, v in whole.model.named_parameters()}
+    assert stage_weight_bytes(path, 0, n, True, torch.float32) == sum(p.numel() * 4 for p in full_params.values())
     for stages in (2, 3):
         plan = plan_stages(cfg, layer_ids, stages, pb.seq_len)
         batch = pb
@@ -142,6 +144,9 @@ def test_stages_capture_exactly_what_one_stage_captures(tmp_path, kind):
             assert any("embed_tokens" in k for k in own) == (s == 0)
             for k, v in own.items():
                 assert torch.equal(v, full_params[k]), k
+            # What the start-up's memory check counts before loading is what the stage holds.
+            held = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+            assert stage_weight_bytes(path, first, end, end == n, torch.float32) == held, (kind, s)
             batch = worker.forward(batch)
             if s < stages - 1:
                 assert batch.hidden.shape == (pb.seq_len, plan.boundary_width(s))
@@ -164,3 +169,33 @@ def test_a_later_stage_checks_its_own_layers_for_leaks(tmp_path, monkeypatch):
         TargetWorker.load(path, [0, 2, 3], CPU, torch.float32, layers=(2, 4))
     with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM: layer 0 \(linear_attention\) lets packed"):
         TargetWorker.load(path, [0, 2, 3], CPU, torch.float32, layers=(0, 2))
+
+
+def test_a_target_too_large_for_its_gpu_is_refused_before_any_weight_is_read(tmp_path):
+    """The start-up's memory check (TargetWorker.load on CUDA asks it with the GPU's free memory): weights
+    that fit pass; a stage that does not names the GPUs the target needs, or, where it would fit a GPU
+    alone, the processes sharing it."""
+    path = resolve_target_path("builtin:tiny-qwen3", str(tmp_path / "cache"))
+    n = load_target_config(path)["num_hidden_layers"]
+    whole = stage_weight_bytes(path, 0, n, True, torch.bfloat16)
+    half = stage_weight_bytes(path, 0, n // 2, False, torch.bfloat16)
+    assert half < whole == stage_weight_bytes(path, 0, n, True, torch.float32) // 2
+    assert stage_memory_error(path, 0, n, n - 1, torch.bfloat16, whole, 10 * whole, "GPU 0") is None
+    shared = stage_memory_error(path, 0, n, n - 1, torch.bfloat16, whole - 1, 10 * whole, "GPU 3")
+    assert "GPU 3 has" in shared and "give the target a GPU of its own" in shared, shared
+    # 2.8 GPUs' worth of weights: 4 GPUs (90% of each for weights), from stage 0's view as from the whole's.
+    for end in (n, n // 2):
+        why = stage_memory_error(path, 0, end, n - 1, torch.bfloat16, 0, int(whole / 2.8), "GPU 0")
+        assert "split them over at least 4 GPUs with target.stages=4" in why, why
+        assert f"the target's layers 0-{end - 1} hold" in why and "of bfloat16 weights" in why, why
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_target_load_refuses_weights_that_do_not_fit_its_free_memory(tmp_path):
+    """The 8B target's 15 GiB on a GPU with ~4 GiB left free: refused at once, naming the GPU."""
+    path = resolve_target_path("builtin:random-qwen3-8b", str(tmp_path / "cache"))
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - 4 * 2 ** 30, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=r"hold 1\d\.\d GiB of bfloat16 weights and GPU 0 has [0-4]\.\d GiB free"):
+        TargetWorker.load(path, [1, 9, 17, 25, 33], torch.device("cuda"), torch.bfloat16)
+    del hog

@@ -4,6 +4,7 @@ never read), truncated after the last captured layer; and the embedding and LM h
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -138,18 +139,16 @@ def causal_lm_class(path: str, config=None) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dtype, attn: str) -> nn.Module:
-    """The target checkpoint at `path` with decoder layers [first, end) only (`strip_to_stage`): the
-    model is built without weights, the layers of other stages are dropped before loading, so their
-    weights (and the LM head's) are never read. transformers' own loader reads the rest, shards and
-    weight conversions (fused MoE experts) included."""
+def _stage_class(path: str, first: int, end: int, keep_norm: bool):
+    """(config, class) of the model load_stage builds: the checkpoint's causal LM class, which keeps
+    decoder layers [first, end) only (`strip_to_stage`)."""
     from transformers import AutoConfig
 
     config = _untied(AutoConfig.from_pretrained(path))
     base = causal_lm_class(path, config)
     text = (getattr(config, "sub_configs", None) or {}).get("text_config")
     if text is not None and getattr(base, "config_class", None) is text:
-        config = config.get_text_config()  # a multimodal checkpoint's decoder class takes the text config (as Auto does)
+        config = config.get_text_config()  # a multimodal checkpoint's decoder class takes the text config, as Auto
 
     class Stage(base):
         def __init__(self, config, *args, **kwargs):
@@ -159,7 +158,48 @@ def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dt
     # The loader looks weight conversions up by class name and applies them to library classes only:
     # the stage passes for the model's own class.
     Stage.__name__, Stage.__qualname__, Stage.__module__ = base.__name__, base.__qualname__, base.__module__
-    return Stage.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
+    return config, Stage
+
+
+def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dtype, attn: str) -> nn.Module:
+    """The target checkpoint at `path` with decoder layers [first, end) only (`strip_to_stage`): the
+    model is built without weights, the layers of other stages are dropped before loading, so their
+    weights (and the LM head's) are never read. transformers' own loader reads the rest, shards and
+    weight conversions (fused MoE experts) included."""
+    config, stage = _stage_class(path, first, end, keep_norm)
+    return stage.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
+
+
+def stage_weight_bytes(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dtype) -> int:
+    """Bytes of the weights a target rank holds for decoder layers [first, end) of the target at `path`
+    (a checkpoint or a random-weight target: the same modules) in `dtype`, the embedding on a first
+    stage included: its model built on the meta device, which allocates nothing and reads no weight
+    file, so it is exact for every architecture transformers builds (0.2-3 s for 27-235B configs)."""
+    config, stage = _stage_class(path, first, end, keep_norm)
+    with torch.device("meta"):
+        model = stage(config)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def stage_memory_error(path: str, first: int, end: int, last: int, dtype: torch.dtype, free: int, total: int,
+                       gpu: str) -> str | None:
+    """Why a target rank cannot hold decoder layers [first, end) of the target at `path` (truncated after
+    layer `last`) on a GPU with `free` of `total` bytes free (None: its weights fit there). Asked before
+    any weight is read: a target too large for its GPU fails in a second with the fix named, instead of
+    after minutes of reading the checkpoint into host memory."""
+    need = stage_weight_bytes(path, first, end, end == last + 1, dtype)
+    if need <= free:
+        return None
+    whole = need if (first, end) == (0, last + 1) else stage_weight_bytes(path, 0, last + 1, True, dtype)
+    gib = 2 ** 30
+    head = (f"the target's layers {first}-{end - 1} hold {need / gib:.1f} GiB of {str(dtype).removeprefix('torch.')} "
+            f"weights and {gpu} has {free / gib:.1f} GiB free of {total / gib:.1f}")
+    stages = math.ceil(whole / (0.9 * total))  # weights at 90% of each GPU: activations need room too
+    if stages <= 1:  # it fits such a GPU alone: other processes hold the rest
+        return (f"{head}; other processes on it hold {(total - free) / gib:.1f} GiB (a GPU shared with a drafter "
+                "holds both models): give the target a GPU of its own, or use GPUs with more memory.")
+    return (f"{head}. The target's layers 0-{last} hold {whole / gib:.1f} GiB: split them over at least {stages} "
+            f"GPUs with target.stages={stages} (each stage holds only its layers), or use GPUs with more memory.")
 
 
 def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype, attn: str,

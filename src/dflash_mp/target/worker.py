@@ -24,7 +24,7 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
 from .graph import ForwardGraph, unsupported as graph_unsupported
-from .weights import causal_lm_class, load_stage, random_init_seed, random_target, truncate
+from .weights import causal_lm_class, load_stage, random_init_seed, random_target, stage_memory_error, truncate
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,11 @@ class TargetWorker:
         first, end = layers if layers is not None else (0, last + 1)
         if not 0 <= first < end <= last + 1:
             raise ValueError(f"stage layers [{first}, {end}) are outside the target's layers 0..{last}")
+        if device.type == "cuda":  # before any weight is read: a target too large for its GPU fails at once
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            why = stage_memory_error(path, first, end, last, dtype, *torch.cuda.mem_get_info(index), f"GPU {index}")
+            if why:
+                raise ValueError(why)
         model_cls = causal_lm_class(path)
         attn = choose_attention(attn_implementation, device, model_cls)
         seed = random_init_seed(path)
