@@ -88,9 +88,9 @@ def worker_pids(agent_pid: int) -> list[int]:
     ranks = {}
     for pid in children:
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:  # empty for a worker that has exited
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except FileNotFoundError:  # reaped since the listing
+        except (FileNotFoundError, ProcessLookupError):  # reaped since the listing; exited, not yet reaped
             continue
         if b"RANK" in env:
             ranks[int(env[b"RANK"])] = pid
