@@ -55,16 +55,18 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     default, compiled, reduces each gradient in Inductor's kernels); `+headslast` every block kernel's
     programs start head by head (block_attn.HEADS_FIRST empty); `+headsall` every kernel's start every
     KV head's program of a place in the order before the next place, longest first over all heads (the
-    default: the dK/dV kernel's only)."""
+    default: the dK/dV kernel's only); `+fullmaster` a separate fp32 master beside the bf16 working
+    weights (the default keeps the master as the working weights and their int16 lower halves:
+    optim.py's split master)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall") or (
+                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, "
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -101,7 +103,7 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
     tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
-                        direct_grads="flatgrads" not in flags)
+                        direct_grads="flatgrads" not in flags, split_master="fullmaster" not in flags)
     if "foreachnorm" in flags:
         tr.opt.grad_norm = global_norm
     return tr

@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_ranks
 
 from dflash_mp.model import DFlashDrafter, DrafterArgs
-from dflash_mp.optim import FlatAdamW, adamw_update
+from dflash_mp.optim import FlatAdamW, adamw_update, halves_of, master_of
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -275,6 +275,7 @@ def test_bf16_working_weights_follow_fp32_master_weights(direct):
     assert all(p.dtype == torch.bfloat16 and _inside(p, tr.opt.work) for p in tr.params)
     ref = [torch.nn.Parameter(w.detach().clone()) for w in tr.opt.named_master().values()]
     opt = torch.optim.AdamW(ref, lr=1.0, betas=tr.cfg.betas, weight_decay=0.1, foreach=False)
+    ties = 0
     for step in range(3):
         tr.set_lr()
         tr.forward_backward(_batch(step))
@@ -289,8 +290,16 @@ def test_bf16_working_weights_follow_fp32_master_weights(direct):
         for r, name in zip(ref, tr.opt.names):
             # The same update to fp32 weights: updates far below bf16's resolution still land.
             torch.testing.assert_close(master[name], r.detach(), rtol=1e-5, atol=1e-6)
-        assert torch.equal(tr.opt.work, tr.opt.master.bfloat16())
+        # The working weights are the master rounded to nearest; an exact tie (its lower 16 bits 0x8000)
+        # goes away from zero, to the other of the two equally near bf16 values (the split master's rounding).
+        work, want = tr.opt.work, tr.opt.master
+        tie = (want.view(torch.int32) & 0xFFFF) == 0x8000
+        assert torch.equal(work[~tie], want[~tie].bfloat16())
+        assert (work[tie].float().abs() > want[tie].abs()).all()
+        assert torch.equal((work[tie].float() - want[tie]).abs(), (want[tie].bfloat16().float() - want[tie]).abs())
+        ties += int(tie.sum())
         assert any(not torch.equal(r.detach().bfloat16().float(), r.detach()) for r in ref)
+    assert ties > 0  # updates of lr 1.0 leave few low bits: exact ties occur, and are checked, here
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -321,6 +330,41 @@ def _compare_update(g):
         unchanged = int((bufs[0] == orig_master).sum())
         assert unchanged == n if skip else unchanged < n // 100
         assert float(bufs[5]) == 3.0  # the caller counts steps
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU kernel needs a GPU")])])
+def test_the_split_master_is_an_fp32_master_bit_for_bit(device):
+    """bf16 working weights plus int16 lower halves hold every fp32 value exactly (zeros, subnormals, the
+    largest, infinities), the upper half rounded to nearest; the update through them, eager and compiled,
+    leaves the very master, moments and (off exact ties) working weights an fp32 master gets."""
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    master = torch.randn(n, generator=g) * torch.logspace(-38, 38, n)
+    master[:8] = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), float("-inf")])
+    master = master.to(device)
+    work, low = halves_of(master)
+    assert work.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(master_of(work, low).view(torch.int32), master.view(torch.int32))
+    tie = (master.view(torch.int32) & 0xFFFF) == 0x8000
+    assert torch.equal(work[~tie], master[~tie].bfloat16())
+    master, work, low = master[8:], work[8:], low[8:]  # the update on finite weights
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    compiled = torch.compile(adamw_update, dynamic=False, fullgraph=True)
+    for skip in (0.0, 1.0):
+        grad = torch.randn(n - 8, generator=g).bfloat16().to(device)
+        m, v = torch.randn(n - 8, generator=g).to(device), torch.rand(n - 8, generator=g).to(device)
+        scalars = [torch.tensor(x, device=device) for x in (3.0, 1e-3, 2.0, skip)]
+        for fn in (adamw_update, compiled):
+            full = [master.clone(), grad, m.clone(), v.clone(), torch.zeros_like(work), *scalars]
+            split = [low.clone(), grad, m.clone(), v.clone(), work.clone(), *scalars]
+            fn(*full, **hyper)
+            fn(*split, **hyper)
+            assert torch.equal(master_of(split[4], split[0]).view(torch.int32), full[0].view(torch.int32))
+            assert torch.equal(split[2], full[2]) and torch.equal(split[3], full[3])
+            tie = (full[0].view(torch.int32) & 0xFFFF) == 0x8000
+            assert torch.equal(split[4][~tie], full[4][~tie])
+            assert skip == 0.0 or torch.equal(split[0], low) and torch.equal(split[4], work)
 
 
 @pytest.mark.parametrize("direct", [True, False])

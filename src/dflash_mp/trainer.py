@@ -254,10 +254,12 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_ke
 
 class DrafterTrainer:
     def __init__(self, objective: DFlashObjective, cfg: TrainConfig, num_steps: int, group,
-                 device: torch.device, write_grads: bool = True, direct_grads: bool = True):
+                 device: torch.device, write_grads: bool = True, direct_grads: bool = True,
+                 split_master: bool = True):
         """`write_grads=False`: the older add-into-`.grad` scheme; `direct_grads=False`: the flat
-        gradient buffer even where the update could read `.grad` itself (FlatAdamW; both for the
-        bench's comparisons)."""
+        gradient buffer even where the update could read `.grad` itself; `split_master=False`: a
+        separate fp32 master beside bf16 working weights (FlatAdamW; all three for the bench's
+        comparisons)."""
         self.objective = objective
         self.cfg = cfg
         self.num_steps = num_steps
@@ -286,7 +288,8 @@ class DrafterTrainer:
                              side_stream=overlap, overlap_reduce=cfg.allreduce_overlap,
                              # Under CUDA graphs `.grad` may live in a graph's output pool, which the
                              # next replay overwrites: copy it into the flat buffer at once there.
-                             direct_grads=direct_grads and self.mode not in CUDA_GRAPH_MODES)
+                             direct_grads=direct_grads and self.mode not in CUDA_GRAPH_MODES,
+                             split_master=split_master)
         objective.drafter.before_module = self.opt.wait if overlap else None
         self.params = self.opt.params
         self.loss_kernel = resolve_loss_kernel(cfg.loss_kernel, self.mode, device)
