@@ -367,6 +367,49 @@ def test_the_split_master_is_an_fp32_master_bit_for_bit(device):
             assert skip == 0.0 or torch.equal(split[0], low) and torch.equal(split[4], work)
 
 
+def test_the_split_master_is_made_one_parameter_at_a_time(monkeypatch):
+    """At start the halves are made parameter by parameter: no temporaries the size of all the weights
+    (an fp32 master and int32 bits: ~12 bytes a parameter, ~13 GB at 8B, for the allocator to keep)."""
+    from dflash_mp import optim
+
+    sizes = []
+    split = optim.halves_of
+    monkeypatch.setattr(optim, "halves_of", lambda m: sizes.append(m.numel()) or split(m))
+    tr = _trainer(1.0, "bf16")
+    assert sizes == [p.numel() for p in tr.params] and max(sizes) < tr.opt.work.numel() // 2
+
+
+def test_a_checkpoint_copies_the_split_master_one_parameter_at_a_time(monkeypatch):
+    """The checkpoint's host copy (checkpoint.snapshot of the trainer's state) gets every trainable
+    weight's fp32 master, joined from its halves as it is read: at most two joined copies exist at
+    once (the one being copied and the one before it), not the whole master's 4 bytes a parameter."""
+    import weakref
+
+    from dflash_mp import optim
+    from dflash_mp.checkpoint import snapshot
+
+    tr = _trainer(1.0, "bf16")
+    assert tr.opt.split and tr.opt._master.dtype == torch.int16
+    tr.train_step(_batch(0))
+    want = {n: m.clone() for n, m in tr.opt.named_master().items()}
+    alive, most = [], [0]
+    join = optim.master_of
+
+    def counted(work, low):
+        out = join(work, low)
+        alive.append(weakref.ref(out))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        return out
+
+    monkeypatch.setattr(optim, "master_of", counted)
+    state = snapshot(tr.state_dict())
+    assert len(alive) == len(tr.opt.names) > 4 and most[0] <= 2, (len(alive), most[0])
+    drafter = state["drafter"]
+    assert list(drafter) == list(tr.objective.drafter.state_dict())  # the drafter's names and order
+    for name, m in want.items():
+        assert drafter[name].dtype == torch.float32 and torch.equal(drafter[name], m), name
+
+
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_gradients_skip_the_update_and_are_counted(direct, bad):

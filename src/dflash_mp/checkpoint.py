@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -218,7 +219,7 @@ def snapshot(obj, pinned: dict | None = None, key: tuple = ()):
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return buf.copy_(t, non_blocking=True)  # the caller synchronises once, after all of them
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # one value at a time: a mapping may make each as it is read (named_master)
         return {k: snapshot(v, pinned, key + (k,)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(snapshot(v, pinned, key + (i,)) for i, v in enumerate(obj))

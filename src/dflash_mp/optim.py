@@ -48,6 +48,7 @@ optimizer state outside the training step waits for all of them first.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,22 @@ def halves_of(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = master.view(torch.int32)
     high = (bits + 0x8000) >> 16
     return high.to(torch.int16).view(torch.bfloat16), (bits - (high << 16)).to(torch.int16)
+
+
+class _JoinedMaster(Mapping):
+    """FlatAdamW.named_master of a split master: name -> (work, low) views, joined on each read."""
+
+    def __init__(self, halves: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        self._halves = halves
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return master_of(*self._halves[name])
+
+    def __iter__(self):
+        return iter(self._halves)
+
+    def __len__(self) -> int:
+        return len(self._halves)
 
 
 def adamw_update(master, grad, exp_avg, exp_avg_sq, work, step, lr, divisor, skip, *,
@@ -184,13 +201,19 @@ class FlatAdamW:
             self._offsets.append(self._offsets[-1] + p.numel())
         n = self._offsets[-1]
         f32 = dict(dtype=torch.float32, device=device)
-        master = torch.empty(n, **f32)
-        for view, p in zip(self._views(master), params):
-            view.copy_(p.detach())
         self.split = split_master and dtype == torch.bfloat16
-        # The master as the update reads and writes it: the fp32 buffer, or (split) the lower half.
-        self.work, self._master = halves_of(master) if self.split else \
-            (master if dtype == torch.float32 else master.to(dtype), master)
+        # The master as the update reads and writes it: the fp32 buffer, or (split) the lower half,
+        # filled one parameter at a time (no whole-size temporaries).
+        self._master = torch.empty(n, dtype=torch.int16 if self.split else torch.float32, device=device)
+        self.work = self._master if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=device)
+        for master, work, p in zip(self._views(self._master), self._views(self.work), params):
+            if self.split:
+                high, low = halves_of(p.detach().float().contiguous())
+                work.copy_(high)
+                master.copy_(low)
+            else:
+                master.copy_(p.detach())
+                work.copy_(master)  # itself in fp32
         self.write_grads = write_grads
         # Nothing to sum over a group: the update can read the gradients where autograd leaves them.
         self.direct = direct_grads and write_grads and self.world == 1
@@ -458,12 +481,13 @@ class FlatAdamW:
         self.wait_all()
         return master_of(self.work, self._master) if self.split else self._master
 
-    def named_master(self) -> dict[str, torch.Tensor]:
-        """The fp32 master weights by parameter name: views of the buffer, or (split) new tensors."""
+    def named_master(self) -> Mapping[str, torch.Tensor]:
+        """The fp32 master weights by parameter name: views of the buffer, or (split) each joined from
+        its halves when read, so that a reader going through them (a checkpoint's host copy, the
+        export) holds one parameter's fp32 copy at a time, not the whole master's."""
         self.wait_all()
         if self.split:
-            return {n: master_of(w, low) for n, w, low in zip(self.names, self._views(self.work),
-                                                              self._views(self._master))}
+            return _JoinedMaster(dict(zip(self.names, zip(self._views(self.work), self._views(self._master)))))
         return dict(zip(self.names, self._views(self._master)))
 
     def state_dict(self) -> dict:

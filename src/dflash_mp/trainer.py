@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -420,11 +422,11 @@ class DrafterTrainer:
         self.stats.add_gnorm(gnorm, skipped)
         self.step += 1
 
-    def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """The drafter's weights at full precision (fp32 master), named as `drafter.state_dict()`."""
-        state = self.objective.drafter.state_dict()
-        state.update(self.opt.named_master())
-        return state
+    def master_state_dict(self) -> Mapping[str, torch.Tensor]:
+        """The drafter's weights at full precision (fp32 master), named as `drafter.state_dict()`, in its
+        order: the trainable ones read from the optimizer (FlatAdamW.named_master, joined on each read
+        where the master is split), the rest from the drafter."""
+        return ChainMap(self.opt.named_master(), self.objective.drafter.state_dict())
 
     def state_dict(self) -> dict:
         return {"drafter": self.master_state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
