@@ -50,7 +50,7 @@ def job_figures(run_dir: str, skip: int) -> dict:
 
 def jobs_table(run_dirs: list[str], skip: int, limit: float = 7.07, name: str = "jobs.json") -> None:
     """`--jobs`: several runs side by side (bench/run_rows_h200.sh), into `name` (`--json`), each against
-    the physical limit `limit` rows/s (`--limit`: 7.07 is the 8B's on one H200, 2.99 the 27B's)."""
+    the physical limit `limit` rows/s (`--limit`: 7.07 is the 8B's on one H200, 2.96 the 27B's)."""
     out = {}
     print(f"run | samples/s | of {limit:g} | steps | drafter wait ms/step | recompiles")
     for d in run_dirs:
@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", nargs="+", help="run dirs to compare (needs neither JSON)")
     ap.add_argument("--limit", type=float, default=7.07,
-                    help="--jobs: the physical limit in rows/s (BENCHMARKS.md: 7.07 the 8B's, 2.99 the 27B's)")
+                    help="--jobs: the physical limit in rows/s (BENCHMARKS.md: 7.07 the 8B's, 2.96 the 27B's)")
     ap.add_argument("--json", default="jobs.json", help="--jobs: the file it writes (under $OUT or bench/results); "
                                                         "name it per call where several runs share one $OUT")
     ap.add_argument("--target-json", help="bench/target_forward.py output")

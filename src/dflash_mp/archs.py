@@ -47,8 +47,9 @@ TARGET_ARCHS: dict[str, dict] = {
 
 
 def known_target_config(path: str) -> dict | None:
-    """The table entry for a hub id (config.json fields only), or None."""
-    arch = TARGET_ARCHS.get(path)
+    """The config.json fields of a hub id known here, or None: the whole architecture (HF_ARCHS: layer
+    types, linear attention, experts) where it is written out, else the TARGET_ARCHS entry."""
+    arch = HF_ARCHS.get(path) or TARGET_ARCHS.get(path)
     return None if arch is None else {k: v for k, v in arch.items() if k != "tokenizer_len"}
 
 

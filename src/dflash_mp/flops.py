@@ -80,12 +80,17 @@ def is_sparse_layer(config: dict, i: int) -> bool:
     return (i + 1) % (config.get("decoder_sparse_step") or 1) == 0
 
 
+# Model types whose full-attention layers project an output gate beside the queries (Qwen3.5's gated
+# attention: q_proj gives 2 x heads x head_dim features, the second half gating the attention's output).
+GATED_ATTENTION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) -> float:
     """Forward FLOPs of decoder layer `i` of a target (a flat config.json dict) over `tokens` tokens
     whose attention sees `causal_pairs` (query, key) pairs: what stage balancing weighs.
 
-    Full and sliding attention layers: q/k/v/o projections plus attention scores (a sliding window
-    caps the pairs); linear-attention layers (Qwen3.5 Gated DeltaNet): their projections and a
+    Full and sliding attention layers: q/k/v/o projections (a gated attention's q_proj twice as wide:
+    GATED_ATTENTION) plus attention scores (a sliding window caps the pairs); linear-attention layers (Qwen3.5 Gated DeltaNet): their projections and a
     recurrence linear in `tokens`. MLPs: dense, or the routed experts a token visits (`top_k`) plus
     the shared expert and the router.
     """
@@ -101,7 +106,8 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
         per_token = 2 * h * (2 * kh * kd + 2 * vh * vd + 2 * vh) + 2 * vh * vd * h + 4 * vh * kd * vd
         pairs = 0.0
     else:
-        per_token = 2 * h * (q + 2 * kv) + 2 * q * h
+        gate = q if config.get("model_type") in GATED_ATTENTION else 0
+        per_token = 2 * h * (q + gate + 2 * kv) + 2 * q * h
         pairs = causal_pairs
         window = config.get("sliding_window")
         if kind == "sliding_attention" and window:
