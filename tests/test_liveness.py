@@ -49,6 +49,28 @@ def exited_pid() -> int:
 
 
 # ------------------------------------------------------------------------------ fast: the rules
+def test_done_returns_once_the_watcher_has_left_the_store():
+    """A rank that ends cleanly leaves no thread inside a store call: done() waits for the watcher's
+    read under way (here one that takes 0.3 s a key) to end, and the watcher then stops."""
+    import threading
+    import time
+
+    inside = threading.Event()
+
+    class SlowStore(DictStore):
+        def check(self, keys):
+            inside.set()
+            time.sleep(0.3)
+            return False
+
+    live = Liveness(SlowStore(), 1, 3, NAMES, LivenessConfig(stale_s=6.0, interval_s=0.05), wait_s=6.0,
+                    exit_fn=lambda code: None).start()
+    assert inside.wait(5.0)
+    t0 = time.monotonic()
+    live.done()
+    assert not live._thread.is_alive() and time.monotonic() - t0 < 3.0
+
+
 def test_a_beat_that_stops_moving_is_dead_after_the_stale_bound_and_named():
     w = watcher(stale=6.0)
     t = 100.0

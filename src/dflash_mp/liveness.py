@@ -92,6 +92,9 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+JOIN_S = 2.0  # how long done() waits for the watcher to leave a store call (a read takes milliseconds)
+
+
 class Liveness:
     """This rank's heartbeat and watcher. `names[r]` is how rank r is named in messages."""
 
@@ -165,6 +168,17 @@ class Liveness:
         self._stop.set()
         self.phase(DONE)
         self._beat()
+        self._join()
+
+    def _join(self) -> None:
+        """Wait, bounded, for the watcher to leave the store call it may be in: the process then ends
+        with no thread inside the store's C++ client (a daemon thread there while the interpreter
+        finalizes is one way a process can abort at exit). A store that no longer answers (the agent
+        gone) holds the exit up by at most JOIN_S, within the stop watchdog's bound on this hook
+        (resilience.CLEAN_EXIT_HOOK_S)."""
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=JOIN_S)
 
     def settle(self) -> None:
         """After a peer-related error on the main thread: wait long enough for the watcher to see
@@ -389,5 +403,3 @@ class NullLiveness:
 
     def failed(self, reason: str) -> None:
         pass
-
-
