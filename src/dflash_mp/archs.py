@@ -36,20 +36,13 @@ TARGET_ARCHS: dict[str, dict] = {
         mlp_only_layers=[], norm_topk_prob=True, num_hidden_layers=94, num_attention_heads=64,
         num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
         tie_word_embeddings=False, tokenizer_len=151669),
-    # The text decoder of Qwen3.5-27B (a hybrid of linear-attention and full-attention layers; the
-    # full-attention layers' shapes are what the drafter copies). tokenizer_len is approximate: any
-    # value below vocab_size leaves the default mask row valid.
-    "Qwen/Qwen3.5-27B": dict(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
-        max_position_embeddings=262144, tie_word_embeddings=False, tokenizer_len=248077),
+    # Qwen/Qwen3.5-27B: its whole architecture, from HF_ARCHS below.
 }
 
 
 def known_target_config(path: str) -> dict | None:
-    """The config.json fields of a hub id known here, or None: the whole architecture (HF_ARCHS: layer
-    types, linear attention, experts) where it is written out, else the TARGET_ARCHS entry."""
-    arch = HF_ARCHS.get(path) or TARGET_ARCHS.get(path)
+    """The table entry for a hub id (config.json fields only), or None."""
+    arch = TARGET_ARCHS.get(path)
     return None if arch is None else {k: v for k, v in arch.items() if k != "tokenizer_len"}
 
 
@@ -91,6 +84,11 @@ HF_ARCHS: dict[str, dict] = {
         rope_parameters=dict(rope_type="default", rope_theta=1e6), max_position_embeddings=40960,
         tie_word_embeddings=False, output_router_logits=False),
 }
+
+# The text decoder of Qwen3.5-27B in the table of hub targets, written out once: a run reads this
+# hybrid from its config.json, and the planner reads it from here. tokenizer_len is approximate: any
+# value below vocab_size leaves the default mask row valid.
+TARGET_ARCHS["Qwen/Qwen3.5-27B"] = dict(HF_ARCHS["Qwen/Qwen3.5-27B"], tokenizer_len=248077)
 
 # Same architectures, CPU-test sizes (4 layers: linear, linear, linear, full for the hybrids).
 _TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

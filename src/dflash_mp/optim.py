@@ -207,14 +207,7 @@ class FlatAdamW:
         # filled one parameter at a time (no whole-size temporaries).
         self._master = torch.empty(n, dtype=torch.int16 if self.split else torch.float32, device=device)
         self.work = self._master if dtype == torch.float32 else torch.empty(n, dtype=dtype, device=device)
-        for master, work, p in zip(self._views(self._master), self._views(self.work), params):
-            if self.split:
-                high, low = halves_of(p.detach().float().contiguous())
-                work.copy_(high)
-                master.copy_(low)
-            else:
-                master.copy_(p.detach())
-                work.copy_(master)  # itself in fp32
+        self._write_master([p.detach() for p in params])
         self.write_grads = write_grads
         # Nothing to sum over a group: the update can read the gradients where autograd leaves them.
         self.direct = direct_grads and write_grads and self.world == 1
@@ -295,6 +288,20 @@ class FlatAdamW:
                         [self.exp_avg_sq[lo:hi]], work]
             out.append((set(seg), bufs))
         return out
+
+    def _write_master(self, values: list[torch.Tensor]) -> None:
+        """Set the master and the working weights from `values`, one per parameter, written one parameter
+        at a time (split: each value's halves, with no temporaries the size of all the weights)."""
+        separate = self.work is not self._master  # fp32 working weights are the master itself
+        for master, work, v in zip(self._views(self._master), self._views(self.work), values):
+            if self.split:
+                high, low = halves_of(v.to(device=master.device, dtype=torch.float32).contiguous())
+                work.copy_(high)
+                master.copy_(low)
+            else:
+                master.copy_(v)
+                if separate:
+                    work.copy_(master)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[lo:hi].view_as(p) for p, lo, hi in zip(self.params, self._offsets, self._offsets[1:])]
@@ -504,21 +511,14 @@ class FlatAdamW:
                              "or resume with the version that wrote it")
         self.wait_all()
         with torch.no_grad():
-            for view, work, name in zip(self._views(self._master), self._views(self.work), self.names):
-                if master[name].shape != view.shape:
+            for p, name in zip(self.params, self.names):
+                if master[name].shape != p.shape:
                     raise ValueError(f"checkpoint tensor {name} has shape {tuple(master[name].shape)}, the "
-                                     f"drafter {tuple(view.shape)}: the drafter config differs from the run's; "
+                                     f"drafter {tuple(p.shape)}: the drafter config differs from the run's; "
                                      "resume with the drafter.* settings of the run that wrote it")
-                if self.split:
-                    high, low = halves_of(master[name].to(device=view.device, dtype=torch.float32).contiguous())
-                    work.copy_(high)
-                    view.copy_(low)
-                else:
-                    view.copy_(master[name])
+            self._write_master([master[name] for name in self.names])
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 getattr(self, k).copy_(state[k])
-            if not self.split and self.work is not self._master:
-                self.work.copy_(self._master)
 
     @property
     def num_bytes_per_step(self) -> float:

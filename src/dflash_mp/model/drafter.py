@@ -23,7 +23,6 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
-from dflash_mp.rope import apply_rope
 from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
@@ -177,6 +176,13 @@ def _rope_inv_freq(args: DrafterArgs) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[S, heads, D]` rotated by the tables cos/sin `[S, D]` of its S positions, in transformers'
+    rotate-half form (dimension j paired with j + D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None, :] + torch.cat([-x2, x1], dim=-1) * sin[:, None, :]
+
+
 class Attention(nn.Module):
     def __init__(self, args: DrafterArgs) -> None:
         super().__init__()
@@ -216,8 +222,8 @@ class Attention(nn.Module):
         k = torch.cat([self.k_proj(ctx), kx], dim=0).view(-1, self.num_kv_heads, D)
         v = torch.cat([self.v_proj(ctx), vx], dim=0).view(-1, self.num_kv_heads, D)
         k = self.k_norm(k)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
+        q = _apply_rope(q, *rope_q)
+        k = _apply_rope(k, *rope_k)
         out = attn(q, k, v, sliding).reshape(n_q, self.num_heads * D)  # [S, heads, D] in and out
         if drop_anchor:
             out = drop_anchors(out, self.block_size)
