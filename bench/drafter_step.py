@@ -31,6 +31,12 @@ from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, Tr
 PEAK = 790e12
 
 
+def opt(x, width: int, digits: int) -> str:
+    """A table cell of a figure a mode may not have (None: not measured in that mode, e.g. the split of
+    a step replayed as one CUDA graph into forward/backward and update)."""
+    return f"{x:{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+
+
 def parse_mode(mode: str) -> tuple[str, dict]:
     """`default+ce=triton+amp+tiles=bwd64` -> ("default", {"ce": "triton", "amp": True, "tiles": "bwd64"}).
 
@@ -57,16 +63,17 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     KV head's program of a place in the order before the next place, longest first over all heads (the
     default: the dK/dV kernel's only); `+fullmaster` a separate fp32 master beside the bf16 working
     weights (the default keeps the master as the working weights and their int16 lower halves:
-    optim.py's split master)."""
+    optim.py's split master); `+lt` the matmuls through cuBLASLt
+    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster") or (
+                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "lt") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, +lt, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -235,6 +242,7 @@ def main() -> None:
     from dflash_mp.model import block_attn
 
     use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST
+    blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
@@ -247,6 +255,8 @@ def main() -> None:
                 block_attn.HEADS_FIRST = frozenset()
             if flags.get("headsall"):
                 block_attn.HEADS_FIRST = frozenset(block_attn.KERNELS)
+            if flags.get("lt") and blas is not None:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
             r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
@@ -254,6 +264,8 @@ def main() -> None:
             block_attn.TILES.update(DEFAULT_TILES)
             block_attn.USE_TMA = use_tma
             block_attn.HEADS_FIRST = heads_first
+            if blas is not None:
+                torch.backends.cuda.preferred_blas_library(blas)
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)
@@ -291,8 +303,8 @@ def main() -> None:
             continue
         print(f"{r['mode']:26} {r['ms_per_step']:9.2f} {r['ms_per_step_synced']:8.2f} {r['samples_per_s']:10.2f} "
               f"{r['mfu']:6.3f} {r['recompiles_after_warmup']:7d} {r['cudagraph_records_after_warmup']:7d} "
-              f"{r['peak_mem_gib']:8.1f} {r['fwd_bwd_ms'] or 0:7.1f} {r['optimizer_ms'] or 0:7.1f} "
-              f"{r['optimizer_tb_per_s'] or 0:8.2f} {r['graph_replays']:6d}")
+              f"{r['peak_mem_gib']:8.1f} {opt(r['fwd_bwd_ms'], 7, 1)} {opt(r['optimizer_ms'], 7, 1)} "
+              f"{opt(r['optimizer_tb_per_s'], 8, 2)} {r['graph_replays']:6d}")
     if "loss_match" in results:
         print("loss match:", results["loss_match"])
     for r in results["modes"]:

@@ -21,7 +21,8 @@ next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton
 Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
 template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
 (triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
-forward's time (`warmup_ms[0]`) holds the autotuning.
+forward's time (`warmup_ms[0]`) holds the autotuning. `-lt` (before `-graph`): the matmuls through cuBLASLt
+(torch.backends.cuda.preferred_blas_library("cublaslt") while the variant runs; the default: cuBLAS).
 Every truncated variant's captured hidden states are compared with the first truncated variant's.
 """
 
@@ -78,6 +79,7 @@ def main() -> None:
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     default_tiles = dict(doc_attn.TILES)
+    blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for v in variants:
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
@@ -106,6 +108,8 @@ def main() -> None:
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(@|$)", v) is not None
                 tune = re.search(r"-autotune(-tma)?(-|@|$)", v)
+                if blas is not None and re.search(r"-lt(-|@|$)", v):
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
                 options = None if not tune else {"max_autotune": True, **(
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
@@ -133,6 +137,8 @@ def main() -> None:
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
+            if blas is not None:
+                torch.backends.cuda.preferred_blas_library(blas)
             doc_attn.TILES.clear()
             doc_attn.TILES.update(default_tiles)
             doc_attn.USE_TMA = None
