@@ -13,18 +13,25 @@ from dflash_mp.target.spec import text_config_dict
 _DENSE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
               num_hidden_layers=2)
 ARCHS = {"llama": dict(model_type="llama", **_DENSE), "qwen3": dict(model_type="qwen3", **_DENSE),
-         "qwen3.5 (linear and gated full attention)": TINY_ARCHS["tiny-qwen3.5"]}
+         "qwen3.5 (linear and gated full attention)": TINY_ARCHS["tiny-qwen3.5"],
+         "qwen3-moe (routed experts)": TINY_ARCHS["tiny-qwen3-moe"],
+         "qwen3.5-moe (hybrid, routed and shared experts)": TINY_ARCHS["tiny-qwen3.5-moe"]}
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_each_layer_s_projections_are_the_matmuls_the_model_runs(name):
     """Per decoder layer, the formula with no attention pairs (and, for a linear-attention layer, less its
     recurrence) equals the FLOPs of the layer's matrix multiplies in a forward of T tokens: q/k/v/o (the
-    gated attention's q_proj twice as wide), the MLP, Gated DeltaNet's projections. (Routed experts are
-    not counted by torch's counter on CPU, so MoE layers are left out here.)"""
+    gated attention's q_proj twice as wide), the MLP, Gated DeltaNet's projections; in a MoE layer the
+    router, the experts each token is routed to and the shared expert with its gate. The experts run
+    one by one (`experts_implementation="eager"`): torch's counter sees no FLOPs in the grouped matmul
+    transformers runs them with by default."""
     cfg = hf_config(ARCHS[name], vocab_size=96)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager")
+    except TypeError:  # a transformers without the choice runs its experts one by one
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     T = 64
     with FlopCounterMode(display=False) as counter:  # the module tracker needs autograd on: no no_grad
         model.model(torch.randint(0, 96, (1, T)))

@@ -92,7 +92,8 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
     Full and sliding attention layers: q/k/v/o projections (a gated attention's q_proj twice as wide:
     GATED_ATTENTION) plus attention scores (a sliding window caps the pairs); linear-attention layers (Qwen3.5 Gated DeltaNet): their projections and a
     recurrence linear in `tokens`. MLPs: dense, or the routed experts a token visits (`top_k`) plus
-    the shared expert and the router.
+    the router and, where there is one, the shared expert with its one-output gate (Qwen's
+    `shared_expert_gate`).
     """
     h = config["hidden_size"]
     heads = config["num_attention_heads"]
@@ -114,7 +115,8 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
             pairs = min(causal_pairs, float(tokens * window))
     if is_sparse_layer(config, i):
         per_token += 2 * 3 * h * config["moe_intermediate_size"] * config["num_experts_per_tok"]
-        per_token += 2 * 3 * h * (config.get("shared_expert_intermediate_size") or 0) + 2 * h * num_experts(config)
+        shared = config.get("shared_expert_intermediate_size") or 0
+        per_token += 2 * 3 * h * shared + (2 * h if shared else 0) + 2 * h * num_experts(config)
     else:
         per_token += 2 * 3 * h * config["intermediate_size"]
     return float(tokens * per_token + 4 * heads * head_dim * pairs)
