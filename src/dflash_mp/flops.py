@@ -90,10 +90,10 @@ def layer_forward_flops(config: dict, i: int, tokens: int, causal_pairs: float) 
     whose attention sees `causal_pairs` (query, key) pairs: what stage balancing weighs.
 
     Full and sliding attention layers: q/k/v/o projections (a gated attention's q_proj twice as wide:
-    GATED_ATTENTION) plus attention scores (a sliding window caps the pairs); linear-attention layers (Qwen3.5 Gated DeltaNet): their projections and a
-    recurrence linear in `tokens`. MLPs: dense, or the routed experts a token visits (`top_k`) plus
-    the router and, where there is one, the shared expert with its one-output gate (Qwen's
-    `shared_expert_gate`).
+    GATED_ATTENTION) plus attention scores (a sliding window caps the pairs); linear-attention layers
+    (Qwen3.5 Gated DeltaNet): their projections and a recurrence linear in `tokens`. MLPs: dense, or
+    the routed experts a token visits (`top_k`) plus the router and, where there is one, the shared
+    expert with its one-output gate (Qwen's `shared_expert_gate`).
     """
     h = config["hidden_size"]
     heads = config["num_attention_heads"]
