@@ -84,12 +84,13 @@ def main() -> None:
             timed(fn, 3, device)
             wall = median(timed(fn, a.steps, device))
             # Kernel time from the profiler: one call is ~0.2 ms, so wall time is partly the host's launch.
-            ms = sum(kernel_profile(fn, device, n=a.steps, top=3)["ms_per_step_by_class"].values())
+            prof = kernel_profile(fn, device, n=a.steps, top=3)
+            ms = sum(prof["ms_per_step_by_class"].values())
             out = fn().float()
             r = {"variant": name, "ms": ms, "wall_ms": wall, "tflop_per_s": flop / (ms / 1000) / 1e12}
             if name.startswith("triton"):
                 r["tiles"] = doc_attn.TILES[d]
-            r["kernels"] = kernel_profile(fn, device, n=3, top=3)["top_kernels"]
+            r["kernels"] = prof["top_kernels"]
             if first is None:
                 first = (name, out)
             else:
