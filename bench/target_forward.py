@@ -38,7 +38,7 @@ from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, tim
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp.target import TargetSpec, TargetWorker, blas, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -50,10 +50,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=3072)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
+    ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
+                    help="target.cublas_workspace for this process (default: none, as a job's target; torch: "
+                         "PyTorch's sizes, as every target figure before call G4)")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    blas.use_workspace(a.cublas_workspace, device)  # before the first GEMM, as the job's target does
     c = dict(QWEN3_8B_TARGET)
     if a.tiny:
         c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -73,13 +77,14 @@ def main() -> None:
         return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
 
     res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,
+           "cublas_workspace": blas.describe(device),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": []}
     ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
     variants = a.variants.split(",")
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     default_tiles = dict(doc_attn.TILES)
-    blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    blas_lib = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for v in variants:
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
@@ -108,7 +113,7 @@ def main() -> None:
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(@|$)", v) is not None
                 tune = re.search(r"-autotune(-tma)?(-|@|$)", v)
-                if blas is not None and re.search(r"-lt(-|@|$)", v):
+                if blas_lib is not None and re.search(r"-lt(-|@|$)", v):
                     torch.backends.cuda.preferred_blas_library("cublaslt")
                 options = None if not tune else {"max_autotune": True, **(
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
@@ -137,8 +142,8 @@ def main() -> None:
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
-            if blas is not None:
-                torch.backends.cuda.preferred_blas_library(blas)
+            if blas_lib is not None:
+                torch.backends.cuda.preferred_blas_library(blas_lib)
             doc_attn.TILES.clear()
             doc_attn.TILES.update(default_tiles)
             doc_attn.USE_TMA = None

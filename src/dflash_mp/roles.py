@@ -35,7 +35,7 @@ from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
 from .stages import StagePlan, plan_stages
-from .target import TargetSpec
+from .target import TargetSpec, blas
 from .topology import Topology
 from .transport import SlotSpec, build_transport
 
@@ -285,6 +285,7 @@ class TargetRun(_RoleRun):
 
 
 def run_target(ctx: RunContext) -> None:
+    blas.use_workspace(ctx.job.target.cublas_workspace, ctx.device)  # before the process's first GEMM
     with contextlib.closing(TargetRun(ctx)) as run:
         run.run()
 
@@ -522,6 +523,7 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
              ("target head dim", str(spec.head_dim))]
     if target is not None:
         rows += [("target attention implementation", target.attention),
+                 ("target cuBLAS workspace", blas.describe(ctx.device)),
                  ("target linear-attention layers", target.linear_how),
                  ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no"),
                  ("target forward as a CUDA graph", target.describe_graph())]

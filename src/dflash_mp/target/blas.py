@@ -1,0 +1,52 @@
+"""cuBLAS's workspace in a target process (`target.cublas_workspace`).
+
+PyTorch hands cuBLAS a workspace, sized at the process's first GEMM from the environment variables
+CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE. With one, cuBLAS runs five of the 8B target's seven
+GEMMs a layer (q, k, v, o, down over 3072 rows) as kernels that first zero part of it: 170 memsets a
+forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset:
+0.5 ms less a forward on an H100 (BENCHMARKS.md, call G4). The drafter's process keeps PyTorch's sizes
+(not measured without a workspace).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("none", "torch")
+# No workspace: CUBLAS_WORKSPACE_CONFIG is ":SIZE_KiB:COUNT" pairs (0 KiB here), CUBLASLT_WORKSPACE_SIZE KiB.
+NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:1", "CUBLASLT_WORKSPACE_SIZE": "0"}
+
+
+def use_workspace(choice: str, device: torch.device | str) -> str:
+    """Apply `target.cublas_workspace` to this process: call it before the process's first GEMM (PyTorch
+    reads the sizes once, then). `none` runs cuBLAS without a workspace, `torch` keeps PyTorch's sizes; a
+    variable already in the environment is left as it is (e.g. a CUBLAS_WORKSPACE_CONFIG set for
+    deterministic GEMMs). Nothing changes on CPU. Returns `describe(device)`."""
+    if choice not in CHOICES:
+        raise ValueError(f"target.cublas_workspace={choice!r}: use none (cuBLAS without a workspace, the default: "
+                         "faster target GEMMs) or torch (PyTorch's workspace sizes).")
+    if torch.device(device).type == "cuda" and choice == "none":
+        for name, value in NO_WORKSPACE.items():
+            os.environ.setdefault(name, value)
+    how = describe(device)
+    log.info("target: cuBLAS workspace %s", how)
+    return how
+
+
+def describe(device: torch.device | str) -> str:
+    """The cuBLAS workspace this process's GEMMs get, from the environment (for the log and the
+    resolved-choices table)."""
+    if torch.device(device).type != "cuda":
+        return "n/a (not CUDA)"
+    found = {name: os.environ.get(name) for name in NO_WORKSPACE}
+    if found == NO_WORKSPACE:
+        return "none (" + ", ".join(f"{k}={v}" for k, v in NO_WORKSPACE.items()) + ")"
+    set_ = {k: v for k, v in found.items() if v is not None}
+    if not set_:
+        return "PyTorch's sizes"
+    return "as set in the environment: " + ", ".join(f"{k}={v}" for k, v in set_.items())

@@ -1,0 +1,63 @@
+"""`target.cublas_workspace`: a target process's GEMMs run without a cuBLAS workspace unless told
+otherwise, set before the process's first GEMM, and a variable the user set is left alone."""
+
+import types
+
+import pytest
+import torch
+
+from dflash_mp import roles
+from dflash_mp.target import TargetConfig, blas
+
+NAMES = tuple(blas.NO_WORKSPACE)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_none_runs_cublas_without_a_workspace_on_cuda(clean_env):
+    assert TargetConfig().cublas_workspace == "none"
+    how = blas.use_workspace("none", torch.device("cuda", 0))
+    assert {n: blas.os.environ.get(n) for n in NAMES} == {"CUBLAS_WORKSPACE_CONFIG": ":0:1",
+                                                          "CUBLASLT_WORKSPACE_SIZE": "0"}
+    assert how.startswith("none") and blas.describe("cuda") == how
+
+
+def test_torch_and_cpu_leave_the_environment_alone(clean_env):
+    assert blas.use_workspace("torch", "cuda") == "PyTorch's sizes"
+    assert blas.use_workspace("none", "cpu") == "n/a (not CUDA)"
+    assert all(n not in blas.os.environ for n in NAMES)
+
+
+def test_a_workspace_the_user_set_wins(clean_env):
+    clean_env.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as set for deterministic GEMMs
+    how = blas.use_workspace("none", "cuda")
+    assert blas.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG=:4096:8" in how and how.startswith("as set in the environment")
+
+
+def test_a_bad_choice_names_the_value_and_the_choices(clean_env):
+    with pytest.raises(ValueError, match=r"target.cublas_workspace='off'.*none.*torch"):
+        blas.use_workspace("off", "cuda")
+
+
+def test_the_target_role_sets_it_before_its_worker_loads(clean_env):
+    """run_target applies the option before TargetRun, whose load runs the process's first GEMMs."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def target_run(ctx):
+        seen.update({n: blas.os.environ.get(n) for n in NAMES})
+        raise Stop
+
+    clean_env.setattr(roles, "TargetRun", target_run)
+    ctx = types.SimpleNamespace(job=types.SimpleNamespace(target=TargetConfig()), device=torch.device("cuda", 0))
+    with pytest.raises(Stop):
+        roles.run_target(ctx)
+    assert seen == blas.NO_WORKSPACE
