@@ -4,8 +4,8 @@ PyTorch hands cuBLAS a workspace, sized at the process's first GEMM from the env
 CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE. With one, cuBLAS runs five of the 8B target's seven
 GEMMs a layer (q, k, v, o, down over 3072 rows) as kernels that first zero part of it: 170 memsets a
 forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset:
-0.5 ms less a forward on an H100 (BENCHMARKS.md, call G4). The drafter's process keeps PyTorch's sizes
-(not measured without a workspace).
+0.5-0.6 ms less a forward on two H100s (BENCHMARKS.md, calls G4 and G5). The drafter's process keeps
+PyTorch's sizes (not measured without a workspace).
 """
 
 from __future__ import annotations
