@@ -23,7 +23,8 @@ template wins; the pointwise configs stay untimed); `-autotune-tma` adds the per
 (triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
 forward's time (`warmup_ms[0]`) holds the autotuning. `-lt` (before `-graph`): the matmuls through cuBLASLt
 (torch.backends.cuda.preferred_blas_library("cublaslt") while the variant runs; the default: cuBLAS).
-Every truncated variant's captured hidden states are compared with the first truncated variant's.
+Every truncated variant's captured hidden states are compared with the first truncated variant's, and
+with `--compare-states FILE` with another process's (`--save-states FILE`; the weights are seeded).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main() -> None:
     ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
                     help="target.cublas_workspace for this process (default: none, as a job's target; torch: "
                          "PyTorch's sizes, as every target figure before call G4)")
+    ap.add_argument("--save-states", default="", help="write the first truncated variant's captured states to "
+                    "this file, for --compare-states in another process (e.g. another --cublas-workspace)")
+    ap.add_argument("--compare-states", default="", help="compare every truncated variant's captured states with "
+                    "this file's (--save-states of another process: the same seeded weights and row)")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -63,6 +68,7 @@ def main() -> None:
         c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)  # the same weights in every process: --compare-states
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(Qwen3Config(**c), dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
@@ -135,8 +141,13 @@ def main() -> None:
                 h = fn().hidden.float()
                 if first is None:
                     first = (v, h)
+                    if a.save_states:
+                        torch.save(h.cpu(), a.save_states)
                 else:  # same model, same batch: only kernels and fusion differ
                     r[f"rel_diff_vs_{first[0]}"] = float((h - first[1]).abs().max() / first[1].abs().max())
+                if a.compare_states:
+                    ref = torch.load(a.compare_states).to(h.device)
+                    r["rel_diff_vs_saved_states"] = float((h - ref).abs().max() / ref.abs().max())
             if device.type == "cuda":  # where the time goes (after the timed runs, so it cannot skew them)
                 r["profile"] = kernel_profile(fn, device, top=15)
         except Exception as e:
@@ -159,6 +170,10 @@ def main() -> None:
             diff = next((f"{x:12.2e}" for k, x in r.items() if k.startswith("rel_diff")), f"{'':12}")
             print(f"{r['variant']:28} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['tflop']:7.2f} {r['mfu']:6.3f} "
                   f"{r['recompiles']:6d} {diff}")
+    for r in res["variants"]:
+        if "rel_diff_vs_saved_states" in r:
+            print(f"{r['variant']}: captured states against {a.compare_states}: max relative difference "
+                  f"{r['rel_diff_vs_saved_states']:.2e}")
     for r in res["variants"]:
         if r.get("profile"):
             cls = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["ms_per_step_by_class"].items())
