@@ -14,8 +14,11 @@ NAMES = tuple(blas.NO_WORKSPACE)
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """The two variables unset, and whatever a test sets removed after it (setenv records their state,
+    so monkeypatch restores it: a variable left set would reach later tests of the process)."""
     for name in NAMES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
