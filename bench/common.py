@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -60,6 +61,21 @@ def synthetic_batch(seq_len: int, hidden_dim: int, vocab: int, device, dtype, se
     hidden = (torch.randn(seq_len, hidden_dim, generator=g) * 0.5).to(dtype)
     return HiddenBatch(hidden=hidden, input_ids=ids, position_ids=torch.cat(pos), doc_ids=torch.cat(docs),
                        loss_mask=torch.cat(mask), num_valid_tokens=seq_len).to(device)
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None, device):
+    """The block's matmuls through torch's BLAS library `name` ("cublaslt"), PyTorch's choice restored
+    after it; None or a device other than CUDA changes nothing (the benches' `lt` variants)."""
+    if name is None or torch.device(device).type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def sync(device) -> None:

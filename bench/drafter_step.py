@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from common import DRAFTERS, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
+from common import DRAFTERS, blas_library, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
@@ -242,7 +242,6 @@ def main() -> None:
     from dflash_mp.model import block_attn
 
     use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST
-    blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
@@ -255,17 +254,15 @@ def main() -> None:
                 block_attn.HEADS_FIRST = frozenset()
             if flags.get("headsall"):
                 block_attn.HEADS_FIRST = frozenset(block_attn.KERNELS)
-            if flags.get("lt") and blas is not None:
-                torch.backends.cuda.preferred_blas_library("cublaslt")
-            r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope, a.sources and not results["modes"])
+            with blas_library("cublaslt" if flags.get("lt") else None, device):
+                r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope,
+                             a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
             block_attn.TILES.update(DEFAULT_TILES)
             block_attn.USE_TMA = use_tma
             block_attn.HEADS_FIRST = heads_first
-            if blas is not None:
-                torch.backends.cuda.preferred_blas_library(blas)
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

@@ -30,12 +30,13 @@ with `--compare-states FILE` with another process's (`--save-states FILE`; the w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 
 import torch
 
-from common import QWEN3_8B_TARGET, kernel_profile, median, synthetic_batch, timed, write_json
+from common import QWEN3_8B_TARGET, blas_library, kernel_profile, median, synthetic_batch, timed, write_json
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
@@ -90,8 +91,8 @@ def main() -> None:
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     default_tiles = dict(doc_attn.TILES)
-    blas_lib = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for v in variants:
+        lt = contextlib.ExitStack()  # the `-lt` variants' BLAS library, PyTorch's again after the variant
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
@@ -119,8 +120,8 @@ def main() -> None:
                 model.config._attn_implementation = attn
                 graphed = re.search(r"-graph(@|$)", v) is not None
                 tune = re.search(r"-autotune(-tma)?(-|@|$)", v)
-                if blas_lib is not None and re.search(r"-lt(-|@|$)", v):
-                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                if re.search(r"-lt(-|@|$)", v):
+                    lt.enter_context(blas_library("cublaslt", device))
                 options = None if not tune else {"max_autotune": True, **(
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
@@ -153,8 +154,7 @@ def main() -> None:
         except Exception as e:
             r = {"variant": v, "error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
-            if blas_lib is not None:
-                torch.backends.cuda.preferred_blas_library(blas_lib)
+            lt.close()
             doc_attn.TILES.clear()
             doc_attn.TILES.update(default_tiles)
             doc_attn.USE_TMA = None
