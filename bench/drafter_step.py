@@ -64,19 +64,17 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     default: the dK/dV kernel's only); `+fullmaster` a separate fp32 master beside the bf16 working
     weights (the default keeps the master as the working weights and their int16 lower halves:
     optim.py's split master); `+lt` the matmuls through cuBLASLt
-    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS);
-    `+norm=KERNEL` train.norm_kernel=KERNEL (triton or autograd; without it: auto, the trainer's default)."""
+    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
-        valued = key in ("tiles", "btiles", "ce", "attn", "norm")
-        if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn", "nograph",
-                       "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "lt", "norm") or \
-                valued != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
+        if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
+                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "lt") or (
+                key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+lt, +norm=KERNEL, +tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, +lt, "
+                             f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
         out["ce"] = "inductor"
@@ -108,8 +106,7 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                         layer_types=p.get("layer_types"), sliding_window=p.get("window"), **tiles)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
     obj.shared_mask_rows = "fullrows" not in flags
-    cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"),
-                      norm_kernel=flags.get("norm", "auto"), max_steps=10_000,
+    cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
     tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,

@@ -313,9 +313,8 @@ def build_trainer(ctx: RunContext, num_steps: int):
     embed, head = load_target_head(ctx.target_path, ctx.dtype, ctx.device)
     objective = DFlashObjective(drafter, args, embed, head, job.drafter)
     trainer = DrafterTrainer(objective, job.train, num_steps, ctx.topo.drafter_group, ctx.device)
-    log.info("drafter step: compile %s (%s scope), %s weights, loss kernel %s, RMSNorm backward %s, optimizer "
-             "update %s, CUDA graph %s", trainer.mode, job.train.compile_scope, trainer.precision, trainer.loss_kernel,
-             trainer.norm_kernel,
+    log.info("drafter step: compile %s (%s scope), %s weights, loss kernel %s, optimizer update %s, CUDA graph %s",
+             trainer.mode, job.train.compile_scope, trainer.precision, trainer.loss_kernel,
              "per layer on a side stream" if trainer.opt.on_side_stream else "after backward",
              trainer.describe_graph())
     # Anchor sampling differs per drafter rank, reproducibly.
@@ -531,7 +530,6 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
-                 ("drafter RMSNorm backward", trainer.norm_kernel),
                  ("drafter attention", trainer.objective.attention),
                  ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward"),
                  ("drafter step as a CUDA graph", trainer.describe_graph())]

@@ -32,8 +32,7 @@ from .model import (
     slot_weights,
 )
 from .model.attention import FLEX_KERNEL_OPTIONS
-from .model import ce_kernels, rms_norm
-from .model.drafter import RMSNorm
+from .model import ce_kernels
 from .model.loss import LOSS_KERNELS
 from .optim import FlatAdamW, replicas
 from .options import resolve_auto
@@ -84,9 +83,6 @@ class TrainConfig:
     loss_kernel: str = "auto"  # the fused CE's passes over each chunk of logits: auto (triton on CUDA
     #   in compiled modes, layers scope; else eager) | triton | inductor (a torch.compile'd chunk) |
     #   eager. In step scope the chunk is part of the one graph and this is ignored.
-    norm_kernel: str = "auto"  # the drafter's RMSNorm backward: auto (triton on CUDA in compiled modes; else
-    #   autograd) | triton (model/rms_norm.py: dx and the weight's gradient in one pass) | autograd
-    #   (the module's own ops, Inductor's kernels when compiled)
     optimizer_overlap: bool = True  # CUDA, layers scope or eager, not reduce-overhead: each layer's
     #   AdamW update runs on a side stream while the next step's forward runs the layers before it
     #   (time/optimizer then counts the gradient norm only; a wait for an update shows in time/fwd_bwd)
@@ -241,25 +237,9 @@ def resolve_loss_kernel(kernel: str, mode: str, device: torch.device) -> str:
     return kernel
 
 
-def resolve_norm_kernel(kernel: str, mode: str, device: torch.device) -> str:
-    if kernel == "auto":
-        return "triton" if mode != "eager" and rms_norm.available(device) else "autograd"
-    if kernel not in rms_norm.NORM_KERNELS:
-        raise ValueError(f"train.norm_kernel={kernel!r}: use auto or one of {rms_norm.NORM_KERNELS}")
-    if kernel == "triton" and not rms_norm.available(device):
-        raise ValueError(f"train.norm_kernel=triton needs CUDA and the triton package (device {device}); "
-                         "use autograd")
-    return kernel
-
-
-def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_kernel: str = "eager",
-                      norm_kernel: str = "autograd"):
-    """`loss_kernel`, `norm_kernel`: resolved LOSS_KERNELS and NORM_KERNELS values (the first used by
-    eager mode and layers scope)."""
+def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_kernel: str = "eager"):
+    """`loss_kernel`: a resolved LOSS_KERNELS value, used by eager mode and layers scope."""
     objective.loss_kernel = loss_kernel
-    for module in objective.drafter.modules():
-        if isinstance(module, RMSNorm):
-            module.one_pass = norm_kernel == "triton"
     if mode == "eager":
         return objective
     if scope == "step":
@@ -324,8 +304,7 @@ class DrafterTrainer:
         if not self.autocast:  # the target's embedding and head come in its dtype (bf16 for a bf16 target)
             dtype = objective.drafter.fc.weight.dtype
             objective.embed, objective.head = objective.embed.to(dtype), objective.head.to(dtype)
-        self.norm_kernel = resolve_norm_kernel(cfg.norm_kernel, self.mode, device)
-        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel, self.norm_kernel)
+        self.fwd = compile_objective(objective, self.mode, cfg.compile_scope, self.loss_kernel)
         b = objective.args.block_size
         self.stats = IntervalStats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step

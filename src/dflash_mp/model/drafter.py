@@ -23,7 +23,6 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
-from dflash_mp.model.rms_norm import rms_norm, rms_norm_one_pass
 from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
@@ -123,12 +122,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.one_pass = False  # the backward as one kernel (rms_norm.py; set by train.norm_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_pass:
-            return rms_norm_one_pass(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        # Normalise in fp32 and scale in the input dtype, as Qwen3 does, so exported weights give
+        # the same numbers in the public inference code. Casting the weight too keeps the output in
+        # the input dtype under autocast with fp32 master weights (else q/k turn fp32 and v not).
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(dtype) * xf.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
