@@ -26,6 +26,7 @@ from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import global_norm
+from dflash_mp.target import blas
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -231,14 +232,19 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None, help="CE rows per chunk (default: the preset's, else 4096)")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     ap.add_argument("--sources", action="store_true", help="also count the first mode's kernels by the op that launches them")
+    ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
+                    help="train.cublas_workspace for this process (target/blas.py): none (the default, as a job's "
+                         "drafter since call H2) or torch (PyTorch's sizes, as every drafter figure before H2)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    blas.use_workspace(a.cublas_workspace, device, "train.cublas_workspace")  # before the first GEMM, as a job
     p = DRAFTERS[a.preset]
     a.chunk = a.chunk or p.get("chunk", 4096)
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
     results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "modes": []}
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "cublas_workspace": blas.describe(device), "modes": []}
     from dflash_mp.model import block_attn
 
     use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST
@@ -285,7 +291,8 @@ def main() -> None:
 
         mx, mean = rel(e, c)
         results["loss_match"] = {"mode": other, "steps": a.loss_steps, "max_rel_diff": mx, "mean_rel_diff": mean,
-                                 "eager_first_last": [e[0], e[-1]], "compiled_first_last": [c[0], c[-1]]}
+                                 "eager_first_last": [e[0], e[-1]], "compiled_first_last": [c[0], c[-1]],
+                                 "curves": curves}  # seeded: comparable with another process's
         if base is not None:
             bmx, bmean = rel(e, base)
             results["loss_match"]["eager_vs_eager_dense_attention"] = {

@@ -1,5 +1,6 @@
-"""`target.cublas_workspace`: a target process's GEMMs run without a cuBLAS workspace unless told
-otherwise, set before the process's first GEMM, and a variable the user set is left alone."""
+"""`target.cublas_workspace` and `train.cublas_workspace`: a target's and a drafter's process run their
+GEMMs without a cuBLAS workspace unless told otherwise, set before the process's first GEMM, and a
+variable the user set is left alone."""
 
 import types
 
@@ -8,6 +9,7 @@ import torch
 
 from dflash_mp import roles
 from dflash_mp.target import TargetConfig, blas
+from dflash_mp.trainer import TrainConfig
 
 NAMES = tuple(blas.NO_WORKSPACE)
 
@@ -23,7 +25,7 @@ def clean_env(monkeypatch):
 
 
 def test_none_runs_cublas_without_a_workspace_on_cuda(clean_env):
-    assert TargetConfig().cublas_workspace == "none"
+    assert TargetConfig().cublas_workspace == "none" and TrainConfig().cublas_workspace == "none"
     how = blas.use_workspace("none", torch.device("cuda", 0))
     assert {n: blas.os.environ.get(n) for n in NAMES} == {"CUBLAS_WORKSPACE_CONFIG": ":0:1",
                                                           "CUBLASLT_WORKSPACE_SIZE": "0"}
@@ -46,21 +48,29 @@ def test_a_workspace_the_user_set_wins(clean_env):
 def test_a_bad_choice_names_the_value_and_the_choices(clean_env):
     with pytest.raises(ValueError, match=r"target.cublas_workspace='off'.*none.*torch"):
         blas.use_workspace("off", "cuda")
+    with pytest.raises(ValueError, match=r"train.cublas_workspace='lt'.*none.*torch"):
+        blas.use_workspace("lt", "cuda", "train.cublas_workspace")
 
 
-def test_the_target_role_sets_it_before_its_worker_loads(clean_env):
-    """run_target applies the option before TargetRun, whose load runs the process's first GEMMs."""
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_each_role_sets_it_before_its_run_starts(clean_env, role):
+    """run_target and run_drafter apply their option before TargetRun / DrafterRun, which run the process's
+    first GEMMs (the target's load, the drafter's compile and steps); `torch` in the other role's option
+    shows each role reads its own."""
     seen = {}
 
     class Stop(Exception):
         pass
 
-    def target_run(ctx):
+    def started(ctx):
         seen.update({n: blas.os.environ.get(n) for n in NAMES})
         raise Stop
 
-    clean_env.setattr(roles, "TargetRun", target_run)
-    ctx = types.SimpleNamespace(job=types.SimpleNamespace(target=TargetConfig()), device=torch.device("cuda", 0))
+    run, cls = (roles.run_target, "TargetRun") if role == "target" else (roles.run_drafter, "DrafterRun")
+    clean_env.setattr(roles, cls, started)
+    target, train = TargetConfig(), TrainConfig()
+    (train if role == "target" else target).cublas_workspace = "torch"
+    ctx = types.SimpleNamespace(job=types.SimpleNamespace(target=target, train=train), device=torch.device("cuda", 0))
     with pytest.raises(Stop):
-        roles.run_target(ctx)
+        run(ctx)
     assert seen == blas.NO_WORKSPACE

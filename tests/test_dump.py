@@ -131,8 +131,11 @@ def test_files_kind_needs_a_drafter_only_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_dump_then_train_from_files_equals_streaming(tmp_path):
+def test_dump_then_train_from_files_equals_streaming(tmp_path, monkeypatch):
     from dflash_mp.reference import reference_run
+
+    # The CPU job on any host: on a GPU host the dump would pick the GPU and write bf16 features.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     feats = tmp_path / "feats"
     cfg = DumpConfig(dir=str(feats), batches_per_shard=3, max_batches=8)

@@ -486,6 +486,7 @@ class DrafterRun(_RoleRun):
 
 
 def run_drafter(ctx: RunContext) -> None:
+    blas.use_workspace(ctx.job.train.cublas_workspace, ctx.device, "train.cublas_workspace")  # before any GEMM
     with contextlib.closing(DrafterRun(ctx)) as run:
         run.run()
 
@@ -530,6 +531,7 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
+                 ("drafter cuBLAS workspace", blas.describe(ctx.device)),
                  ("drafter attention", trainer.objective.attention),
                  ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward"),
                  ("drafter step as a CUDA graph", trainer.describe_graph())]

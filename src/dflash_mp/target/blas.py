@@ -1,11 +1,13 @@
-"""cuBLAS's workspace in a target process (`target.cublas_workspace`).
+"""cuBLAS's workspace in a target's process (`target.cublas_workspace`) and a drafter's
+(`train.cublas_workspace`).
 
 PyTorch hands cuBLAS a workspace, sized at the process's first GEMM from the environment variables
 CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE. With one, cuBLAS runs five of the 8B target's seven
 GEMMs a layer (q, k, v, o, down over 3072 rows) as kernels that first zero part of it: 170 memsets a
 forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset:
-0.5-0.6 ms less a forward on two H100s (BENCHMARKS.md, calls G4 and G5). The drafter's process keeps
-PyTorch's sizes (not measured without a workspace).
+0.5-0.6 ms less a forward on two H100s (BENCHMARKS.md, calls G4 and G5). The 8B drafter's step had 106
+such memsets: without a workspace its GPU is busy 1.2 ms less a step and the step takes 0.3 ms less
+(call H2), the losses equal to the bit.
 """
 
 from __future__ import annotations
@@ -22,19 +24,19 @@ CHOICES = ("none", "torch")
 NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:1", "CUBLASLT_WORKSPACE_SIZE": "0"}
 
 
-def use_workspace(choice: str, device: torch.device | str) -> str:
-    """Apply `target.cublas_workspace` to this process: call it before the process's first GEMM (PyTorch
-    reads the sizes once, then). `none` runs cuBLAS without a workspace, `torch` keeps PyTorch's sizes; a
-    variable already in the environment is left as it is (e.g. a CUBLAS_WORKSPACE_CONFIG set for
-    deterministic GEMMs). Nothing changes on CPU. Returns `describe(device)`."""
+def use_workspace(choice: str, device: torch.device | str, setting: str = "target.cublas_workspace") -> str:
+    """Apply `setting` (`target.cublas_workspace`, or a bench's option) to this process: call it before the
+    process's first GEMM (PyTorch reads the sizes once, then). `none` runs cuBLAS without a workspace,
+    `torch` keeps PyTorch's sizes; a variable already in the environment is left as it is (e.g. a
+    CUBLAS_WORKSPACE_CONFIG set for deterministic GEMMs). Nothing changes on CPU. Returns `describe(device)`."""
     if choice not in CHOICES:
-        raise ValueError(f"target.cublas_workspace={choice!r}: use none (cuBLAS without a workspace, the default: "
-                         "faster target GEMMs) or torch (PyTorch's workspace sizes).")
+        raise ValueError(f"{setting}={choice!r}: use none (cuBLAS without a workspace, the default: no memset "
+                         "before a GEMM) or torch (PyTorch's workspace sizes).")
     if torch.device(device).type == "cuda" and choice == "none":
         for name, value in NO_WORKSPACE.items():
             os.environ.setdefault(name, value)
     how = describe(device)
-    log.info("target: cuBLAS workspace %s", how)
+    log.info("%s: cuBLAS workspace %s", setting, how)
     return how
 
 
