@@ -151,11 +151,15 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
     st = tr.stats.pop()
     # Where a step's time goes: forward+backward vs optimizer (norm + clip/AdamW + zeroing), as the
     # trainer times the step before each log (CUDA events; wall clock on CPU).
-    phases = []
+    phases, losses = [], []
     for _ in range(5):
         tr.train_step(batches[i[0] % len(batches)], timed=True)
         i[0] += 1
         phases.append(tr.phase_ms())
+        # Steps 24-28 of a seeded sequence, as the job runs them (replayed where the step is a CUDA
+        # graph): the loss and the gradient norm, comparable with another process's.
+        st_k = tr.stats.pop()
+        losses.append([float(st_k["loss_sum"]), float(st_k["gnorm_sum"])])
     # A replayed step is one phase ("step"): forward, backward and update inside one graph.
     fb, op = [ph.get("fwd_bwd") for ph in phases], [ph.get("optimizer") for ph in phases]
     whole = [ph["step"] for ph in phases if "step" in ph]
@@ -183,6 +187,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "optimizer_tb_per_s": tr.opt.num_bytes_per_step / median(op) / 1e9 if serial else None,
         "optimizer_overlap": not serial,
         "direct_grads": tr.opt.direct,  # the update read `.grad` (no flat gradient buffer)
+        "losses_and_grad_norms": losses,
         "profile": prof,
     }
     del step, back_to_back, tr
