@@ -134,8 +134,10 @@ def test_files_kind_needs_a_drafter_only_job(tmp_path):
 def test_dump_then_train_from_files_equals_streaming(tmp_path, monkeypatch):
     from dflash_mp.reference import reference_run
 
-    # The CPU job on any host: on a GPU host the dump would pick the GPU and write bf16 features.
+    # The CPU job on any host: on a GPU host the dump (here) and the drafters (torchrun's processes) would
+    # pick the GPU and compute in bf16, against the reference's fp32 on CPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
     feats = tmp_path / "feats"
     cfg = DumpConfig(dir=str(feats), batches_per_shard=3, max_batches=8)

@@ -6,8 +6,8 @@ CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE. With one, cuBLAS runs five 
 GEMMs a layer (q, k, v, o, down over 3072 rows) as kernels that first zero part of it: 170 memsets a
 forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset:
 0.5-0.6 ms less a forward on two H100s (BENCHMARKS.md, calls G4 and G5). The 8B drafter's step had 106
-such memsets: without a workspace its GPU is busy 1.2 ms less a step and the step takes 0.3 ms less
-(call H2), the losses equal to the bit.
+such memsets: without a workspace the step takes 0.7 ms less on H100s (calls H2 and H4, eight processes),
+its losses and gradient norms equal to the bit.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:1", "CUBLASLT_WORKSPACE_SIZE": "0
 
 
 def use_workspace(choice: str, device: torch.device | str, setting: str = "target.cublas_workspace") -> str:
-    """Apply `setting` (`target.cublas_workspace`, or a bench's option) to this process: call it before the
-    process's first GEMM (PyTorch reads the sizes once, then). `none` runs cuBLAS without a workspace,
-    `torch` keeps PyTorch's sizes; a variable already in the environment is left as it is (e.g. a
-    CUBLAS_WORKSPACE_CONFIG set for deterministic GEMMs). Nothing changes on CPU. Returns `describe(device)`."""
+    """Apply `setting` (`target.cublas_workspace` or `train.cublas_workspace`, the name its messages give)
+    to this process: call it before the process's first GEMM (PyTorch reads the sizes once, then). `none`
+    runs cuBLAS without a workspace, `torch` keeps PyTorch's sizes; a variable already in the environment
+    is left as it is (e.g. a CUBLAS_WORKSPACE_CONFIG set for deterministic GEMMs). Nothing changes on CPU.
+    Returns `describe(device)`."""
     if choice not in CHOICES:
         raise ValueError(f"{setting}={choice!r}: use none (cuBLAS without a workspace, the default: no memset "
                          "before a GEMM) or torch (PyTorch's workspace sizes).")
