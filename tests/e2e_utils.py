@@ -22,7 +22,10 @@ SMALL = [
 
 def torchrun(nproc: int, overrides: list[str], timeout: float = 300, extra_args: list[str] | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # CUDA_VISIBLE_DEVICES empty: these jobs run on the CPU on any host, as the CPU references they are
+    # checked against do (on a GPU host their ranks would otherwise take the GPU and compute in bf16).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *(extra_args or []), "-m", "dflash_mp.main", *overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

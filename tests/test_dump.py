@@ -134,10 +134,9 @@ def test_files_kind_needs_a_drafter_only_job(tmp_path):
 def test_dump_then_train_from_files_equals_streaming(tmp_path, monkeypatch):
     from dflash_mp.reference import reference_run
 
-    # The CPU job on any host: on a GPU host the dump (here) and the drafters (torchrun's processes) would
-    # pick the GPU and compute in bf16, against the reference's fp32 on CPU.
+    # The dump on the CPU on any host, as the job (e2e_utils.torchrun) and the reference: on a GPU host it
+    # would pick the GPU and write bf16 features.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
     feats = tmp_path / "feats"
     cfg = DumpConfig(dir=str(feats), batches_per_shard=3, max_batches=8)
