@@ -26,7 +26,7 @@ from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import global_norm
-from dflash_mp.target import blas
+from dflash_mp import blas
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     ap.add_argument("--sources", action="store_true", help="also count the first mode's kernels by the op that launches them")
     ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
-                    help="train.cublas_workspace for this process (target/blas.py): none (the default, as a job's "
+                    help="train.cublas_workspace for this process (dflash_mp/blas.py): none (the default, as a job's "
                          "drafter since call H2) or torch (PyTorch's sizes, as every drafter figure before H2)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

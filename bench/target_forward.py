@@ -40,7 +40,8 @@ from common import QWEN3_8B_TARGET, blas_library, kernel_profile, median, synthe
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetSpec, TargetWorker, blas, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp import blas
+from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -63,7 +64,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    blas.use_workspace(a.cublas_workspace, device)  # before the first GEMM, as the job's target does
+    blas.use_workspace(a.cublas_workspace, device, "target.cublas_workspace")  # before any GEMM, as a job
     c = dict(QWEN3_8B_TARGET)
     if a.tiny:
         c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,

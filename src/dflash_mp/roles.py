@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import blas
 from . import checkpoint as ckpt
 from . import compile_cache, compile_output
 from .compile_stats import cache_counts, describe_cache
@@ -35,7 +36,7 @@ from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
 from .resilience import StopAgreement, StopSignal, effective_resume, fault_from_env, maybe_fault
 from .stages import StagePlan, plan_stages
-from .target import TargetSpec, blas
+from .target import TargetSpec
 from .topology import Topology
 from .transport import SlotSpec, build_transport
 
@@ -285,7 +286,7 @@ class TargetRun(_RoleRun):
 
 
 def run_target(ctx: RunContext) -> None:
-    blas.use_workspace(ctx.job.target.cublas_workspace, ctx.device)  # before the process's first GEMM
+    blas.use_workspace(ctx.job.target.cublas_workspace, ctx.device, "target.cublas_workspace")  # before any GEMM
     with contextlib.closing(TargetRun(ctx)) as run:
         run.run()
 

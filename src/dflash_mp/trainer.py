@@ -99,7 +99,7 @@ class TrainConfig:
     #   in training steps only (never evaluation or export), so the drafter tolerates features that
     #   differ a little from the ones it trained on (another kernel, dtype or batch at serving time)
     feature_noise_scale: float = 0.05  # noise std relative to each token's per-layer feature RMS
-    cublas_workspace: str = "none"  # cuBLAS's workspace in a drafter's process (target/blas.py): none (the
+    cublas_workspace: str = "none"  # cuBLAS's workspace in a drafter's process (blas.py): none (the
     #   default on CUDA: no memset before the step's GEMMs, 0.7 ms of the 8B step on an H100) | torch
     #   (PyTorch's sizes). Environment variables already set win.
     cuda_graph: bool = True  # CUDA, one drafter replica, Triton block attention: the whole step

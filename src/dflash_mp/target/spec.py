@@ -33,7 +33,7 @@ class TargetConfig:
     # Needs target.stages=1. For an 8B target on an H100/H200 it gains nothing (its GEMMs run no faster
     # at 6144 rows than at 3072, BENCHMARKS.md); a small target may (the 4B's GEMMs gain 1.6% at 6144 rows).
     rows_per_forward: int = 1
-    # cuBLAS's workspace in the target's process (target/blas.py): none (the default on CUDA: the 8B target's
+    # cuBLAS's workspace in the target's process (blas.py): none (the default on CUDA: the 8B target's
     # GEMMs run without the memsets and gaps a workspace brings, 0.5 ms a forward on an H100) | torch
     # (PyTorch's sizes). Environment variables already set win.
     cublas_workspace: str = "none"

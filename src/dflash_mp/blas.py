@@ -24,7 +24,7 @@ CHOICES = ("none", "torch")
 NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:1", "CUBLASLT_WORKSPACE_SIZE": "0"}
 
 
-def use_workspace(choice: str, device: torch.device | str, setting: str = "target.cublas_workspace") -> str:
+def use_workspace(choice: str, device: torch.device | str, setting: str) -> str:
     """Apply `setting` (`target.cublas_workspace` or `train.cublas_workspace`, the name its messages give)
     to this process: call it before the process's first GEMM (PyTorch reads the sizes once, then). `none`
     runs cuBLAS without a workspace, `torch` keeps PyTorch's sizes; a variable already in the environment
