@@ -40,7 +40,7 @@ from common import QWEN3_8B_TARGET, blas_library, kernel_profile, median, synthe
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp import blas
+from dflash_mp import blas, reductions
 from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
                     help="target.cublas_workspace for this process (default: none, as a job's target; torch: "
                          "PyTorch's sizes, as every target figure before call G4)")
+    ap.add_argument("--reduction-configs", default="heuristic", choices=reductions.CHOICES,
+                    help="target.reduction_configs for this process (dflash_mp/reductions.py): heuristic (the "
+                         "default, as a job's target since call I2) or timed (as every target figure before I2)")
     ap.add_argument("--save-states", default="", help="write the first truncated variant's captured states to "
                     "this file, for --compare-states in another process (e.g. another --cublas-workspace)")
     ap.add_argument("--compare-states", default="", help="compare every truncated variant's captured states with "
@@ -65,6 +68,7 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     blas.use_workspace(a.cublas_workspace, device, "target.cublas_workspace")  # before any GEMM, as a job
+    reductions.use_picks(a.reduction_configs, device, "target.reduction_configs")  # before the first compile
     c = dict(QWEN3_8B_TARGET)
     if a.tiny:
         c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -85,7 +89,7 @@ def main() -> None:
         return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
 
     res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,
-           "cublas_workspace": blas.describe(device),
+           "cublas_workspace": blas.describe(device), "reduction_configs": reductions.describe(device),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": []}
     ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
     variants = a.variants.split(",")

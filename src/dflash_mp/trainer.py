@@ -102,6 +102,9 @@ class TrainConfig:
     cublas_workspace: str = "none"  # cuBLAS's workspace in a drafter's process (blas.py): none (the
     #   default on CUDA: no memset before the step's GEMMs, 0.7 ms of the 8B step on an H100) | torch
     #   (PyTorch's sizes). Environment variables already set win.
+    reduction_configs: str = "heuristic"  # how Inductor picks each compiled reduction kernel's config
+    #   (reductions.py): heuristic (the default on CUDA: from the kernel's shape, the same in every
+    #   compile) | timed (timed at the kernel's first run: 0.31-0.86 ms of the 8B step's q/k norm kernels)
     cuda_graph: bool = True  # CUDA, one drafter replica, Triton block attention: the whole step
     #   (forward, backward, clipping, AdamW) is captured as one CUDA graph after two launched steps
     #   and replayed from then on (step_graph.py); where it cannot be, the choices table says why

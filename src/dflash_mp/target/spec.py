@@ -37,6 +37,10 @@ class TargetConfig:
     # GEMMs run without the memsets and gaps a workspace brings, 0.5 ms a forward on an H100) | torch
     # (PyTorch's sizes). Environment variables already set win.
     cublas_workspace: str = "none"
+    # How Inductor picks each compiled reduction kernel's config (reductions.py): heuristic (the default on
+    # CUDA: from the kernel's shape, the same in every compile) | timed (timed at the kernel's first run,
+    # which picked 0.85-2.35 ms a forward for the 8B target's query/key norm kernels).
+    reduction_configs: str = "heuristic"
 
 
 def rope_from_config(config: dict) -> tuple[float, dict | None]:

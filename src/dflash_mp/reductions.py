@@ -1,0 +1,64 @@
+"""How Inductor picks each compiled reduction kernel's config in a target's process
+(`target.reduction_configs`) and a drafter's (`train.reduction_configs`).
+
+Inductor generates several configs for a reduction kernel (rows per program, warps) and, by default,
+times them on the GPU the first time the kernel runs, keeping the fastest for good: the pick is saved
+with the compiled graph and every later process that loads the graph inherits it. For the kernels that
+normalise the queries and keys per head and apply RoPE (rows of 128), the timings do not separate the
+configs reliably, and the pick varies between processes compiling the same code on one machine: the 8B
+target's two such kernels took 0.85-0.92 ms a forward after some compiles, 1.36 after another and 2.35
+after the one of a job's target, whose graphs the job's later restarts load; the 8B drafter's took
+0.31-0.36 ms a step, 0.86 after a job's (BENCHMARKS.md, calls I1 and I2, H100s).
+
+`heuristic` (the default on CUDA) has Inductor pick one config per reduction from the kernel's shape,
+without timing (its `force_filter_reduction_configs`: drop configs it knows run badly, then take the
+second largest block, warp count and rows per program): every compile gets the same kernels, and the
+query/key kernels run as fast as the best timed picks (0.85-0.87 ms a target forward, 0.32 a drafter
+step). The target's two large RMSNorm kernels ran 0.01-0.07 ms slower each than their timed picks.
+`timed` keeps Inductor's timing. Pointwise kernels are another matter (target/worker.py COMPILE_OPTIONS).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("heuristic", "timed")
+FLAG = "force_filter_reduction_configs"  # in torch._inductor.config.test_configs (torch 2.11 and 2.13)
+
+
+def _configs():
+    from torch._inductor import config
+
+    return config.test_configs
+
+
+def use_picks(choice: str, device: torch.device | str, setting: str) -> str:
+    """Apply `setting` (`target.reduction_configs` or `train.reduction_configs`, the name its messages give)
+    to this process's Inductor: call it before the process compiles (the choice is baked into each kernel
+    as it is generated, and is part of the compiled graphs' cache key). Nothing changes off CUDA, where
+    Inductor generates C++. Returns `describe(device)`."""
+    if choice not in CHOICES:
+        raise ValueError(f"{setting}={choice!r}: use heuristic (Inductor picks each reduction kernel's config "
+                         "from its shape, the same in every compile: the default) or timed (Inductor times the "
+                         "configs on the GPU at the kernel's first run).")
+    if torch.device(device).type == "cuda" and hasattr(_configs(), FLAG):
+        setattr(_configs(), FLAG, choice == "heuristic")
+    how = describe(device)
+    log.info("%s: reduction configs %s", setting, how)
+    return how
+
+
+def describe(device: torch.device | str) -> str:
+    """How this process's compiled reduction kernels get their configs (for the log and the
+    resolved-choices table)."""
+    if torch.device(device).type != "cuda":
+        return "n/a (not CUDA)"
+    if not hasattr(_configs(), FLAG):
+        return f"timed (this torch {torch.__version__} has no {FLAG})"
+    if getattr(_configs(), FLAG):
+        return "heuristic (one config per reduction from its shape, untimed)"
+    return "timed (Inductor times each reduction's configs at its first run)"
