@@ -5,15 +5,15 @@ Inductor generates several configs for a reduction kernel (rows per program, war
 times them on the GPU the first time the kernel runs, keeping the fastest for good: the pick is saved
 with the compiled graph and every later process that loads the graph inherits it. For the kernels that
 normalise the queries and keys per head and apply RoPE (rows of 128), the timings do not separate the
-configs reliably, and the pick varies between processes compiling the same code on one machine: the 8B
-target's two such kernels took 0.85-0.92 ms a forward after some compiles, 1.36 after another and 2.35
-after the one of a job's target, whose graphs the job's later restarts load; the 8B drafter's took
-0.31-0.36 ms a step, 0.86 after a job's (BENCHMARKS.md, calls I1 and I2, H100s).
+configs reliably, and the pick varies between processes compiling the same code: the 8B target's two such
+kernels took 0.81-1.36 ms a forward across compiles and 2.35 after a job's target compiled them (the job's
+restarts load its graphs); the 8B drafter's took 0.29-0.43 ms a step, 0.86-0.90 after some compiles
+(BENCHMARKS.md, calls I1 and I2, H100s).
 
 `heuristic` (the default on CUDA) has Inductor pick one config per reduction from the kernel's shape,
 without timing (its `force_filter_reduction_configs`: drop configs it knows run badly, then take the
 second largest block, warp count and rows per program): every compile gets the same kernels, and the
-query/key kernels run as fast as the best timed picks (0.85-0.87 ms a target forward, 0.32 a drafter
+query/key kernels run as fast as the best timed picks (0.84-0.88 ms a target forward, 0.32 a drafter
 step). The target's two large RMSNorm kernels ran 0.01-0.07 ms slower each than their timed picks.
 `timed` keeps Inductor's timing. Pointwise kernels are another matter (target/worker.py COMPILE_OPTIONS).
 """

@@ -104,7 +104,7 @@ class TrainConfig:
     #   (PyTorch's sizes). Environment variables already set win.
     reduction_configs: str = "heuristic"  # how Inductor picks each compiled reduction kernel's config
     #   (reductions.py): heuristic (the default on CUDA: from the kernel's shape, the same in every
-    #   compile) | timed (timed at the kernel's first run: 0.31-0.86 ms of the 8B step's q/k norm kernels)
+    #   compile) | timed (timed at the kernel's first run: 0.29-0.90 ms of the 8B step's q/k norm kernels)
     cuda_graph: bool = True  # CUDA, one drafter replica, Triton block attention: the whole step
     #   (forward, backward, clipping, AdamW) is captured as one CUDA graph after two launched steps
     #   and replayed from then on (step_graph.py); where it cannot be, the choices table says why

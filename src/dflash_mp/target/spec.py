@@ -39,7 +39,7 @@ class TargetConfig:
     cublas_workspace: str = "none"
     # How Inductor picks each compiled reduction kernel's config (reductions.py): heuristic (the default on
     # CUDA: from the kernel's shape, the same in every compile) | timed (timed at the kernel's first run,
-    # which picked 0.85-2.35 ms a forward for the 8B target's query/key norm kernels).
+    # which picked 0.81-2.35 ms a forward for the 8B target's query/key norm kernels).
     reduction_configs: str = "heuristic"
 
 
