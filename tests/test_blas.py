@@ -2,15 +2,14 @@
 GEMMs without a cuBLAS workspace unless told otherwise, set before the process's first GEMM, and a
 variable the user set is left alone."""
 
-import types
-
 import pytest
 import torch
 
-from dflash_mp import roles
 from dflash_mp import blas
 from dflash_mp.target import TargetConfig
 from dflash_mp.trainer import TrainConfig
+
+from role_start import state_at_run_start
 
 NAMES = tuple(blas.NO_WORKSPACE)
 
@@ -58,21 +57,7 @@ def test_each_role_sets_it_before_its_run_starts(clean_env, role):
     """run_target and run_drafter apply their option before TargetRun / DrafterRun, which run the process's
     first GEMMs (the target's load, the drafter's compile and steps); `torch` in the other role's option
     shows each role reads its own."""
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def started(ctx):
-        seen.update({n: blas.os.environ.get(n) for n in NAMES})
-        raise Stop
-
-    run, cls = (roles.run_target, "TargetRun") if role == "target" else (roles.run_drafter, "DrafterRun")
-    clean_env.setattr(roles, cls, started)
-    clean_env.setattr(roles.reductions, "use_picks", lambda *a: "")  # this test is about the other option
     target, train = TargetConfig(), TrainConfig()
     (train if role == "target" else target).cublas_workspace = "torch"
-    ctx = types.SimpleNamespace(job=types.SimpleNamespace(target=target, train=train), device=torch.device("cuda", 0))
-    with pytest.raises(Stop):
-        run(ctx)
+    seen = state_at_run_start(clean_env, role, target, train, lambda: {n: blas.os.environ.get(n) for n in NAMES})
     assert seen == blas.NO_WORKSPACE

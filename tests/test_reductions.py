@@ -2,16 +2,15 @@
 Inductor pick each reduction kernel's config from its shape, untimed, unless told otherwise, set before
 the process compiles."""
 
-import types
-
 import pytest
 import torch
 
-from dflash_mp import reductions, roles
+from dflash_mp import reductions
 from dflash_mp.target import TargetConfig
 from dflash_mp.trainer import TrainConfig
 
 import triton_interp
+from role_start import state_at_run_start
 
 
 @pytest.fixture
@@ -57,24 +56,9 @@ def test_a_bad_choice_names_the_value_and_the_choices(flag):
 def test_each_role_sets_it_before_its_run_starts(flag, role):
     """run_target and run_drafter apply their option before TargetRun / DrafterRun, which compile; `timed`
     in the other role's option shows each role reads its own."""
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def started(ctx):
-        seen["flag"] = current()
-        raise Stop
-
-    run, cls = (roles.run_target, "TargetRun") if role == "target" else (roles.run_drafter, "DrafterRun")
-    flag.setattr(roles, cls, started)
-    flag.setattr(roles.blas, "use_workspace", lambda *a: "")  # this test is about the other option
     target, train = TargetConfig(), TrainConfig()
     (train if role == "target" else target).reduction_configs = "timed"
-    ctx = types.SimpleNamespace(job=types.SimpleNamespace(target=target, train=train), device=torch.device("cuda", 0))
-    with pytest.raises(Stop):
-        run(ctx)
-    assert seen == {"flag": True}
+    assert state_at_run_start(flag, role, target, train, current) is True
 
 
 def configs_kept(choice: str) -> list:
