@@ -14,8 +14,9 @@ restarts load its graphs); the 8B drafter's took 0.29-0.43 ms a step, 0.86-0.90 
 without timing (its `force_filter_reduction_configs`: drop configs it knows run badly, then take the
 second largest block, warp count and rows per program): every compile gets the same kernels, and the
 query/key kernels take 0.84-0.89 ms a target forward and 0.32 a drafter step on H100s, as the best timed
-picks on H100s did (0.84-0.86, call G5; BENCHMARKS.md, calls I2-I4). The target's two large RMSNorm kernels ran 0.01-0.07 ms slower each than their timed picks.
-`timed` keeps Inductor's timing. Pointwise kernels are another matter (target/worker.py COMPILE_OPTIONS).
+picks on H100s did (0.84-0.86, call G5; BENCHMARKS.md, calls I2-I4). The target's two large RMSNorm
+kernels ran 0.01-0.07 ms slower each than their timed picks. `timed` keeps Inductor's timing. Pointwise
+kernels are another matter (target/worker.py COMPILE_OPTIONS).
 """
 
 from __future__ import annotations
