@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from dflash_mp import blas, process_options, reductions
 from dflash_mp.batch import HiddenBatch
 
 # Drafter presets: DFlash drafters at the public configs' shapes.
@@ -76,6 +77,30 @@ def blas_library(name: str | None, device):
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
+
+
+# The calls from which a job's process has run with each option's default (BENCHMARKS.md).
+DEFAULT_SINCE = {"target": {"cublas_workspace": "G4", "reduction_configs": "I2"},
+                 "train": {"cublas_workspace": "H2", "reduction_configs": "I2"}}
+
+
+def add_process_options(ap, section: str) -> None:
+    """--cublas-workspace and --reduction-configs: the bench process's `section` options (dflash_mp/
+    process_options.py), the job's defaults unless told otherwise."""
+    since = DEFAULT_SINCE[section]
+    ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
+                    help=f"{section}.cublas_workspace (dflash_mp/blas.py): none (the default, as a job's since call "
+                         f"{since['cublas_workspace']}) or torch (PyTorch's sizes, as every figure before it)")
+    ap.add_argument("--reduction-configs", default="heuristic", choices=reductions.CHOICES,
+                    help=f"{section}.reduction_configs (dflash_mp/reductions.py): heuristic (the default, as a job's "
+                         f"since call {since['reduction_configs']}) or timed (as every figure before it)")
+
+
+def apply_process_options(a, device, section: str) -> dict:
+    """Apply add_process_options' arguments before the bench's first GEMM and compile, as a job does; what
+    applies, for the results' JSON."""
+    process_options.apply(a, device, section)
+    return {"cublas_workspace": blas.describe(device), "reduction_configs": reductions.describe(device)}
 
 
 def sync(device) -> None:

@@ -20,13 +20,12 @@ import sys
 
 import torch
 
-from common import DRAFTERS, blas_library, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
+from common import DRAFTERS, add_process_options, apply_process_options, blas_library, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import global_norm
-from dflash_mp import blas, reductions
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -237,24 +236,17 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None, help="CE rows per chunk (default: the preset's, else 4096)")
     ap.add_argument("--scope", default="step", choices=["step", "layers"], help="train.compile_scope")
     ap.add_argument("--sources", action="store_true", help="also count the first mode's kernels by the op that launches them")
-    ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
-                    help="train.cublas_workspace for this process (dflash_mp/blas.py): none (the default, as a job's "
-                         "drafter since call H2) or torch (PyTorch's sizes, as every drafter figure before H2)")
-    ap.add_argument("--reduction-configs", default="heuristic", choices=reductions.CHOICES,
-                    help="train.reduction_configs for this process (dflash_mp/reductions.py): heuristic (the default, "
-                         "as a job's drafter since call I2) or timed (as every drafter figure before I2)")
+    add_process_options(ap, "train")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    blas.use_workspace(a.cublas_workspace, device, "train.cublas_workspace")  # before the first GEMM, as a job
-    reductions.use_picks(a.reduction_configs, device, "train.reduction_configs")  # before the first compile
+    options = apply_process_options(a, device, "train")
     p = DRAFTERS[a.preset]
     a.chunk = a.chunk or p.get("chunk", 4096)
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [synthetic_batch(p["seq_len"], p["k"] * p["hidden"], p["vocab"], device, wdt, seed=s) for s in range(4)]
     results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "cublas_workspace": blas.describe(device), "reduction_configs": reductions.describe(device),
-               "modes": []}
+               **options, "modes": []}
     from dflash_mp.model import block_attn
 
     use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST

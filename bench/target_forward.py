@@ -36,11 +36,10 @@ import sys
 
 import torch
 
-from common import QWEN3_8B_TARGET, blas_library, kernel_profile, median, synthetic_batch, timed, write_json
+from common import QWEN3_8B_TARGET, add_process_options, apply_process_options, blas_library, kernel_profile, median, synthetic_batch, timed, write_json
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
 from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp import blas, reductions
 from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
@@ -53,12 +52,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=3072)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
-    ap.add_argument("--cublas-workspace", default="none", choices=blas.CHOICES,
-                    help="target.cublas_workspace for this process (default: none, as a job's target; torch: "
-                         "PyTorch's sizes, as every target figure before call G4)")
-    ap.add_argument("--reduction-configs", default="heuristic", choices=reductions.CHOICES,
-                    help="target.reduction_configs for this process (dflash_mp/reductions.py): heuristic (the "
-                         "default, as a job's target since call I2) or timed (as every target figure before I2)")
+    add_process_options(ap, "target")
     ap.add_argument("--save-states", default="", help="write the first truncated variant's captured states to "
                     "this file, for --compare-states in another process (e.g. another --cublas-workspace)")
     ap.add_argument("--compare-states", default="", help="compare every truncated variant's captured states with "
@@ -67,8 +61,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    blas.use_workspace(a.cublas_workspace, device, "target.cublas_workspace")  # before any GEMM, as a job
-    reductions.use_picks(a.reduction_configs, device, "target.reduction_configs")  # before the first compile
+    options = apply_process_options(a, device, "target")
     c = dict(QWEN3_8B_TARGET)
     if a.tiny:
         c.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -89,12 +82,13 @@ def main() -> None:
         return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
 
     res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,
-           "cublas_workspace": blas.describe(device), "reduction_configs": reductions.describe(device),
+           **options,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": []}
     ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
     variants = a.variants.split(",")
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
+    saved = torch.load(a.compare_states).to(device).float() if a.compare_states else None  # another process's
     default_tiles = dict(doc_attn.TILES)
     for v in variants:
         lt = contextlib.ExitStack()  # the `-lt` variants' BLAS library, PyTorch's again after the variant
@@ -151,9 +145,8 @@ def main() -> None:
                         torch.save(h.cpu(), a.save_states)
                 else:  # same model, same batch: only kernels and fusion differ
                     r[f"rel_diff_vs_{first[0]}"] = float((h - first[1]).abs().max() / first[1].abs().max())
-                if a.compare_states:
-                    ref = torch.load(a.compare_states).to(h.device)
-                    r["rel_diff_vs_saved_states"] = float((h - ref).abs().max() / ref.abs().max())
+                if saved is not None:
+                    r["rel_diff_vs_saved_states"] = float((h - saved).abs().max() / saved.abs().max())
             if device.type == "cuda":  # where the time goes (after the timed runs, so it cannot skew them)
                 r["profile"] = kernel_profile(fn, device, top=15)
         except Exception as e:

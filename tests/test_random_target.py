@@ -112,13 +112,15 @@ def test_the_tools_refuse_a_cpu_forward_that_transformers_would_send_to_fla(cach
     linear attention, a transformers that checks the device, or no fla-core load as before."""
     from transformers.integrations import hub_kernels
 
-    from dflash_mp.target import linear_attn, load_causal_lm
+    from dflash_mp.target import linear_attn, load_causal_lm, weights
 
     monkeypatch.setattr(linear_attn, "fla_available", lambda: True)
     monkeypatch.delattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", raising=False)
     hybrid = resolve_target_path("builtin:random-tiny-qwen3.5", cache)
-    with pytest.raises(ValueError, match=r"fla-core's GPU kernels even on cpu.*transformers>=5.25.*uninstall fla-core"):
-        load_causal_lm(hybrid, torch.device("cpu"), torch.float32)
+    with monkeypatch.context() as m:  # refused before any weight is drawn or loaded
+        m.setattr(weights, "random_target", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+        with pytest.raises(ValueError, match=r"fla-core's GPU kernels even on cpu.*transformers>=5.25.*uninstall fla"):
+            load_causal_lm(hybrid, torch.device("cpu"), torch.float32)
     load_causal_lm(resolve_target_path(TINY, cache), torch.device("cpu"), torch.float32)  # no linear attention
     monkeypatch.setattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {"fla": ("cuda",)}, raising=False)
     load_causal_lm(hybrid, torch.device("cpu"), torch.float32)  # this transformers checks the device

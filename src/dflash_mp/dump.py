@@ -31,7 +31,7 @@ from .cli import entry, tool_main
 from .data import build_stream
 from .roles import seek
 from .runtime import pick_device, prepare, setup_logging
-from . import blas, reductions
+from . import process_options
 from .target import TargetWorker
 from .transport.files import MANIFEST, MANIFEST_VERSION
 
@@ -128,8 +128,7 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
         log.info("rank %d: %d batches in %d shards, %d already complete", rank, num, len(plan), len(plan) - len(todo))
         if todo:
             per = job.target.rows_per_forward
-            blas.use_workspace(job.target.cublas_workspace, device, "target.cublas_workspace")  # before any GEMM
-            reductions.use_picks(job.target.reduction_configs, device, "target.reduction_configs")  # and compile
+            process_options.apply(job.target, device, "target")  # before any GEMM and compile
             worker = TargetWorker.load(target_path, layer_ids, device, dtype, job.target.attn_implementation,
                                        job.target.compile, job.target.packing_check,
                                        probe_len=job.data.seq_len * per, cuda_graph=job.target.cuda_graph)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import blas, reductions
+from . import process_options
 from . import checkpoint as ckpt
 from . import compile_cache, compile_output
 from .compile_stats import cache_counts, describe_cache
@@ -286,8 +286,7 @@ class TargetRun(_RoleRun):
 
 
 def run_target(ctx: RunContext) -> None:
-    blas.use_workspace(ctx.job.target.cublas_workspace, ctx.device, "target.cublas_workspace")  # before any GEMM
-    reductions.use_picks(ctx.job.target.reduction_configs, ctx.device, "target.reduction_configs")  # and compile
+    process_options.apply(ctx.job.target, ctx.device, "target")  # before any GEMM and compile
     with contextlib.closing(TargetRun(ctx)) as run:
         run.run()
 
@@ -488,8 +487,7 @@ class DrafterRun(_RoleRun):
 
 
 def run_drafter(ctx: RunContext) -> None:
-    blas.use_workspace(ctx.job.train.cublas_workspace, ctx.device, "train.cublas_workspace")  # before any GEMM
-    reductions.use_picks(ctx.job.train.reduction_configs, ctx.device, "train.reduction_configs")  # and compile
+    process_options.apply(ctx.job.train, ctx.device, "train")  # before any GEMM and compile
     with contextlib.closing(DrafterRun(ctx)) as run:
         run.run()
 
@@ -527,16 +525,14 @@ def resolved_choices(ctx: RunContext, turns: GpuTurns, trainer=None, args=None, 
              ("target head dim", str(spec.head_dim))]
     if target is not None:
         rows += [("target attention implementation", target.attention),
-                 ("target cuBLAS workspace", blas.describe(ctx.device)),
-                 ("target reduction kernels' configs", reductions.describe(ctx.device)),
+                 *process_options.describe(ctx.device, "target"),
                  ("target linear-attention layers", target.linear_how),
                  ("target forward compiled", f"yes ({target.compile_scope} scope)" if target.compiled else "no"),
                  ("target forward as a CUDA graph", target.describe_graph())]
     if trainer is not None:
         rows += [("drafter compile mode", f"{trainer.mode} ({job.train.compile_scope} scope)"),
                  ("drafter precision (weights)", trainer.precision), ("loss kernel", trainer.loss_kernel),
-                 ("drafter cuBLAS workspace", blas.describe(ctx.device)),
-                 ("drafter reduction kernels' configs", reductions.describe(ctx.device)),
+                 *process_options.describe(ctx.device, "drafter"),
                  ("drafter attention", trainer.objective.attention),
                  ("optimizer update", "per layer on a side stream" if trainer.opt.on_side_stream else "after backward"),
                  ("drafter step as a CUDA graph", trainer.describe_graph())]

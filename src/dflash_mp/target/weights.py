@@ -260,6 +260,7 @@ def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, attn: st
     """The whole target as a causal LM with its head (regenerate, evaluate: they generate): a
     checkpoint's weights, or a random-weight target's, drawn as the training job draws them (same
     layers as TargetWorker.load, same embedding and head as load_target_head). Eval mode, frozen."""
+    check_linear_attention_device(load_target_config(path), device)  # before the weights load (minutes, large)
     seed = random_init_seed(path)
     if seed is None:
         from transformers import AutoModelForCausalLM
@@ -267,27 +268,25 @@ def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, attn: st
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     else:
         model = random_target(path, seed, device, dtype, attn, keep_head=True)
-    check_linear_attention_device(model, device)
     return model.to(device).eval().requires_grad_(False)
 
 
-def check_linear_attention_device(model: nn.Module, device: torch.device | str) -> None:
-    """Refuse to run `model`'s own forward on `device` where transformers would send its linear-attention
-    layers (Qwen3.5's Gated DeltaNet) to fla-core's kernels, which are GPU-only: transformers up to 5.24
-    calls fla-core whenever it is installed, whatever the tensors' device (5.25 checks the device first).
-    TargetWorker runs its own linear-attention ops and needs no such check."""
-    if torch.device(device).type == "cuda":
-        return
-    from .linear_attn import fla_available, is_linear_attention
-
-    if not any(is_linear_attention(m) for m in model.modules()):
+def check_linear_attention_device(config: dict, device: torch.device | str) -> None:
+    """Refuse to run a target's own transformers forward on `device` where transformers would send its
+    linear-attention layers (`config`'s layer_types; Qwen3.5's Gated DeltaNet) to fla-core's kernels, which
+    are GPU-only: transformers up to 5.24 calls fla-core whenever it is installed, whatever the tensors'
+    device (5.25 checks the device first). TargetWorker runs its own linear-attention ops and needs no such
+    check."""
+    if torch.device(device).type == "cuda" or "linear_attention" not in (config.get("layer_types") or []):
         return
     import transformers
     from transformers.integrations import hub_kernels
 
+    from .linear_attn import fla_available
+
     if "fla" in getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}) or not fla_available():
         return
-    raise ValueError(f"{type(model).__name__} has linear-attention layers, and transformers "
+    raise ValueError(f"{config.get('model_type', 'the target')} has linear-attention layers, and transformers "
                      f"{transformers.__version__} runs them through fla-core's GPU kernels even on {device}, where "
                      "they fail: run this on CUDA, upgrade transformers (pip install 'transformers>=5.25', which "
                      "keeps CPU tensors on its PyTorch path), or uninstall fla-core (pip uninstall fla-core) "
