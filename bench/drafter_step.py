@@ -63,17 +63,21 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     KV head's program of a place in the order before the next place, longest first over all heads (the
     default: the dK/dV kernel's only); `+fullmaster` a separate fp32 master beside the bf16 working
     weights (the default keeps the master as the working weights and their int16 lower halves:
-    optim.py's split master); `+lt` the matmuls through cuBLASLt
+    optim.py's split master); `+masked` every key tile of the block kernels masked
+    (block_attn.WHOLE_TILES=False; the default skips the mask on the tiles every row sees whole); `+lt`
+    the matmuls through cuBLASLt
     (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
-                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "lt") or (
+                       "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
+                       "lt") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
-                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, +lt, "
+                             f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
+                             f"+masked, +lt, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -249,7 +253,7 @@ def main() -> None:
                **options, "modes": []}
     from dflash_mp.model import block_attn
 
-    use_tma, heads_first = block_attn.USE_TMA, block_attn.HEADS_FIRST
+    use_tma, heads_first, whole_tiles = block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
@@ -262,6 +266,8 @@ def main() -> None:
                 block_attn.HEADS_FIRST = frozenset()
             if flags.get("headsall"):
                 block_attn.HEADS_FIRST = frozenset(block_attn.KERNELS)
+            if flags.get("masked"):
+                block_attn.WHOLE_TILES = False
             with blas_library("cublaslt" if flags.get("lt") else None, device):
                 r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope,
                              a.sources and not results["modes"])
@@ -271,6 +277,7 @@ def main() -> None:
             block_attn.TILES.update(DEFAULT_TILES)
             block_attn.USE_TMA = use_tma
             block_attn.HEADS_FIRST = heads_first
+            block_attn.WHOLE_TILES = whole_tiles
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

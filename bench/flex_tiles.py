@@ -3,7 +3,8 @@ tile configuration (BlockMask block size and Inductor kernel options), one proce
 the Triton block kernels (`drafter.attention=triton`, variants `triton*`: their tiles) on the same row.
 A Triton variant's name ending in `-ptr` loads the context key/value tiles through pointers
 (block_attn.USE_TMA=False; without it, through tensor descriptors on sm_90+): `triton-ptr` is the
-default tiles through pointers.
+default tiles through pointers. A name ending in `-masked` (before any `-ptr`) masks every key tile
+(block_attn.WHOLE_TILES=False; the default skips the mask on the tiles every row sees whole).
 
     python bench/flex_tiles.py [--variants bwd32,triton,triton-ptr,triton-n128,...]
 
@@ -93,17 +94,20 @@ TRITON_VARIANTS = {
 
 
 def triton_tiles(name: str) -> str | None:
-    """The TRITON_VARIANTS entry of a Triton variant `name` (a `-ptr` suffix dropped); None for a flex one."""
-    base = name.removesuffix("-ptr")
+    """The TRITON_VARIANTS entry of a Triton variant `name` (`-ptr` and `-masked` suffixes dropped); None for
+    a flex one."""
+    base = name.removesuffix("-ptr").removesuffix("-masked")
     return base if base in TRITON_VARIANTS else None
 
 
 def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
-    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says, and the
-    context tiles through pointers for a `-ptr` name (the caller restores block_attn.USE_TMA)."""
+    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says, the context tiles
+    through pointers for a `-ptr` name and every tile masked for a `-masked` one (the caller restores
+    block_attn.USE_TMA and WHOLE_TILES)."""
     block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[triton_tiles(name)]))
     if name.endswith("-ptr"):
         block_attn.USE_TMA = False
+    block_attn.WHOLE_TILES = not name.removesuffix("-ptr").endswith("-masked")
     spans = block_attn.block_spans(anchors, valid, doc_ids, B, None)
     qq, kk, vv = (t[0].transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v))  # [S, heads, D]
     do = dout[0].transpose(0, 1).contiguous()
@@ -185,7 +189,7 @@ def main() -> None:
     dout = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
     masks, out, ref, t0 = {}, [], None, time.time()
     pairs = int(mask_mod_pairs(mask_mod, q_len, kv_len, device))
-    use_tma = block_attn.USE_TMA
+    use_tma, whole_tiles = block_attn.USE_TMA, block_attn.WHOLE_TILES
     fwd_flop = 4 * D * p["heads"] * pairs  # QK^T and PV over the visible pairs
     for name in a.variants.split(","):
         if time.time() - t0 > a.budget_s:
@@ -214,6 +218,7 @@ def main() -> None:
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
         finally:
             block_attn.USE_TMA = use_tma
+            block_attn.WHOLE_TILES = whole_tiles
         print(r, flush=True)
         out.append(r)
         write_json({"preset": a.preset, "torch": torch.__version__, "variants": out}, f"flex_tiles_{a.preset}.json")

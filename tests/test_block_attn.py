@@ -106,6 +106,13 @@ def test_spans_are_the_mask_mods_context_and_the_key_tiles_cover_exactly_the_blo
             # No block in [lo, hi) is outside the tile's reach: each overlaps it or has an empty span.
             for i in range(lo, hi):
                 assert i in touched or spans.start[i] == spans.end[i], (j, i)
+            # [whole_lo, whole_hi): exactly the blocks whose span covers the whole tile (none on sliding
+            # layers, whose window cuts the later slots); the dK/dV kernel skips their mask.
+            wlo, whi = int(spans.whole_lo[j]), int(spans.whole_hi[j])
+            assert lo <= wlo <= whi <= hi, (j, lo, wlo, whi, hi)
+            covers = span[:, j * tile:(j + 1) * tile].all(1) & ((j + 1) * tile <= T)
+            want = [] if window else covers.nonzero().flatten().tolist()
+            assert list(range(wlo, whi)) == want, (j, wlo, whi, want)
         assert sorted(spans.order.tolist()) == list(range(A))
         lengths = spans.end - spans.start
         assert (lengths[spans.order.long()].diff() <= 0).all()  # longest span first
@@ -155,6 +162,53 @@ def test_shapes_the_kernels_refuse_are_named_with_the_fix():
         blocks_per_program(3, 32)
 
 
+# Documents longer than the 16-row tiles of check_whole_tiles: most context tiles are seen whole.
+WHOLE_CASES = [CASES[0], CASES[4], CASES[7], (120, 12, 16, 4, 2, 16, None, [70, 45])]
+
+
+def check_whole_tiles() -> None:
+    """With 16-row key tiles everywhere, the tiles every row sees whole skipping the mask (the default)
+    against every tile masked: the same outputs and gradients bit for bit (the interpreter fuses no
+    multiply-add), and those of dense attention; one and two blocks a program, through pointers and
+    descriptors."""
+    from dflash_mp.model import block_attn
+
+    whole = 0
+    for blocks in (1, 2):
+        for tma in (False, True):
+            block_attn.TILES.update(q_blocks=blocks, BLOCK_N=16, DQ_BLOCK_N=16, BLOCK_N2=16)
+            block_attn.USE_TMA = tma
+            for case in WHOLE_CASES:
+                T, A, B, Hq, Hkv, D, window, lens = case
+                anchors, valid, docs = make_row(T, A, lens)
+                spans = block_spans(anchors, valid, docs, B, window)
+                whole += int((spans.whole_hi - spans.whole_lo).sum())
+                errors = compare(*case)
+                assert max(errors.values()) < 1e-5, (tma, blocks, case, errors)
+                results = []
+                for on in (True, False):
+                    block_attn.WHOLE_TILES = on
+                    results.append(run_kernels(case))
+                block_attn.WHOLE_TILES = True
+                for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+                    assert torch.equal(a, b), (name, tma, blocks, case)
+    assert whole > 100, whole  # the cases do take the unmasked path
+
+
+def run_kernels(case) -> tuple[torch.Tensor, ...]:
+    """The kernels' out, dq, dk, dv on `case`'s row with fixed inputs."""
+    from dflash_mp.model.block_attn import block_attention
+
+    T, A, B, Hq, Hkv, D, window, lens = case
+    anchors, valid, docs = make_row(T, A, lens)
+    spans = block_spans(anchors, valid, docs, B, window)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_()
+               for n, h in ((A * B, Hq), (T + A * B, Hkv), (T + A * B, Hkv)))
+    out = block_attention(q, k, v, spans)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g)))
+
+
 def check_heads_first() -> None:
     """Each kernel named in block_attn.HEADS_FIRST (the default: dK/dV's) puts the KV heads on the axis
     the GPU starts fastest, so its programs start longest first over all heads; the others start head by
@@ -199,6 +253,12 @@ def check_heads_first() -> None:
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_kernels_match_dense_attention_in_the_triton_interpreter(blocks):
     run = triton_interp.run("test_block_attn", f"check_interpreter({blocks})")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_tiles_seen_whole_skip_the_mask_with_the_same_results_in_the_triton_interpreter():
+    run = triton_interp.run("test_block_attn", "check_whole_tiles()")
     assert run.returncode == 0, run.stderr[-3000:]
 
 

@@ -10,6 +10,12 @@ rows, RB rows each (G*B rounded up to a power of two), so NB = 2 doubles the mat
 halves the key/value tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
 documents, disjoint spans, which the program walks one after the other (no key tile between them).
 
+`WHOLE`: context tiles that every row of the program sees whole (walk 1's tiles up to the shortest of
+its rows' spans; in dK/dV, the blocks whose span covers the tile) skip the mask, the bounds check and the
+empty-row guard; the others are masked. The masked and whole tiles' arithmetic is the same, so the results
+differ at most where the compiler fuses a multiply and a subtraction differently (not at all in Triton's
+interpreter). Off on sliding layers (WINDOW > 0), whose slots' windows cut every tile.
+
 `HEADS_FIRST`: the grid is (KV heads, places in the order), so the GPU, which starts programs with
 program_id(0) running fastest, starts every KV head's program of a place before the next place: the
 programs start longest first over all heads. Else (places, KV heads): head by head, each longest first."""
@@ -28,11 +34,15 @@ def _rows(g, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, NB: tl.constexp
 
 
 @triton.jit
-def _online(s, m, l, acc, v, vis, PREC: tl.constexpr):
-    """One key tile's update of the running max m, sum l and output acc (scores in base 2)."""
-    s = tl.where(vis, s, float("-inf"))
+def _online(s, m, l, acc, v, vis, PREC: tl.constexpr, MASKED: tl.constexpr = True):
+    """One key tile's update of the running max m, sum l and output acc (scores in base 2). Unmasked
+    (`vis` unused), every row sees every key of the tile, so no row's max stays at -inf."""
+    if MASKED:
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+    m_use = m_new
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
@@ -41,9 +51,14 @@ def _online(s, m, l, acc, v, vis, PREC: tl.constexpr):
 
 
 @triton.jit
-def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr):
-    """Per row: its block's span [start, end) and anchor; and the program's walks [lo1, hi1), [lo2, hi2)
-    over the context: one where its blocks' spans overlap (or NB = 1), two where they are disjoint."""
+def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+           WHOLE: tl.constexpr):
+    """Per row: its block's span [start, end) and anchor; the program's walks [lo1, hi1), [lo2, hi2)
+    over the context: one where its blocks' spans overlap (or NB = 1), two where they are disjoint; and
+    `whole`: walk 1's tiles [lo1, whole) are seen whole by every row. Where the spans overlap they share
+    their start (one document, no window), so those are the tiles inside the first block's span; where
+    they are disjoint (or the second block is missing or invalid) the second block's rows see none of
+    walk 1: no whole tiles."""
     srow = tl.load(START + i, mask=live, other=T)
     erow = tl.load(END + i, mask=live, other=T)
     arow = tl.load(ANCH + i, mask=live, other=0)
@@ -59,7 +74,13 @@ def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr):
         lo2 = tl.where(apart, s_b, hi1)
         hi2 = tl.where(apart, e_b, hi1)
         hi1 = tl.where(apart, hi1, tl.maximum(hi1, e_b))
-    return srow, erow, arow, lo1, hi1, lo2, hi2
+    whole = lo1
+    if WHOLE and WINDOW == 0:
+        first_end = tl.load(END + i0)
+        if NB == 2:
+            first_end = tl.where(apart, lo1, first_end)
+        whole = lo1 + (first_end - lo1) // BLOCK_N * BLOCK_N
+    return srow, erow, arow, lo1, hi1, lo2, hi2, whole
 
 
 @triton.jit
@@ -85,6 +106,20 @@ def _context_keys(K, V, KD, VD, n0, hi, srow, erow, arow, g, slot, d, sk_s, sk_h
     if WINDOW > 0:
         vis = vis & (n[None, :] > arow[:, None] + slot[:, None] - WINDOW)
     return kt, vt, vis
+
+
+@triton.jit
+def _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                TMA: tl.constexpr):
+    """K/V rows [n0, n0 + BLOCK_N) of KV head g, all inside every row's span (no bounds check)."""
+    if TMA:
+        kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
+        vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
+    else:
+        n = n0 + tl.arange(0, BLOCK_N)
+        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :])
+        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :])
+    return kt, vt
 
 
 @triton.jit
@@ -134,16 +169,20 @@ def _program(ORDER, A, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl
 def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, so_s,
         so_h, T, A, scale2, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr,
         D: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-        NB: tl.constexpr, HEADS_FIRST: tl.constexpr):
+        NB: tl.constexpr, HEADS_FIRST: tl.constexpr, WHOLE: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1 (i0 = NB x the program's place in ORDER), KV head g: output rows and
     their log-sum-exp (base 2)."""
     i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB, HEADS_FIRST)
     q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
-    srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
+    srow, erow, arow, lo1, hi1, lo2, hi2, whole = _spans(START, END, ANCH, i0, i, live, A, T, NB, BLOCK_N, WINDOW,
+                                                         WHOLE)
     m = tl.full([NB * RB], float("-inf"), tl.float32)
     l = tl.zeros([NB * RB], tl.float32)
     acc = tl.zeros([NB * RB, D], tl.float32)
-    for n0 in range(lo1, hi1, BLOCK_N):
+    for n0 in range(lo1, whole, BLOCK_N):
+        kt, vt = _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA)
+        m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, None, PREC, False)
+    for n0 in range(whole, hi1, BLOCK_N):
         kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
                                     D, BLOCK_N, WINDOW, TMA, NB)
         m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, vis, PREC)
@@ -160,9 +199,11 @@ def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h,
 
 
 @triton.jit
-def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr):
-    """One key tile's share of dQ, and its p and dS."""
-    p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
+def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr, MASKED: tl.constexpr = True):
+    """One key tile's share of dQ, and its p and dS (unmasked: every row sees every key, `vis` unused)."""
+    p = tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None])
+    if MASKED:
+        p = tl.where(vis, p, 0.0)
     ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
     return dq + tl.dot(ds.to(kt.dtype), kt, input_precision=PREC), p, ds
 
@@ -171,7 +212,8 @@ def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr):
 def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h,
            sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, A, scale2, scale, HKV: tl.constexpr,
            G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr, HEADS_FIRST: tl.constexpr):
+           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr, HEADS_FIRST: tl.constexpr,
+           WHOLE: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1, KV head g: dQ of their rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of
     their own keys."""
     i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB, HEADS_FIRST)
@@ -182,9 +224,13 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (i * HKV + g) * RB + rr, delta, mask=i < A)
     lse = tl.load(LSE + (i * HKV + g) * RB + rr, mask=i < A, other=0.0)
-    srow, erow, arow, lo1, hi1, lo2, hi2 = _spans(START, END, ANCH, i0, i, live, A, T, NB)
+    srow, erow, arow, lo1, hi1, lo2, hi2, whole = _spans(START, END, ANCH, i0, i, live, A, T, NB, BLOCK_N, WINDOW,
+                                                         WHOLE)
     dq = tl.zeros([NB * RB, D], tl.float32)
-    for n0 in range(lo1, hi1, BLOCK_N):
+    for n0 in range(lo1, whole, BLOCK_N):
+        kt, vt = _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA)
+        dq, p, ds = _dq_tile(q, do, kt, vt, None, lse, delta, dq, scale2, PREC, False)
+    for n0 in range(whole, hi1, BLOCK_N):
         kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
                                     D, BLOCK_N, WINDOW, TMA, NB)
         dq, p, ds = _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC)
@@ -204,12 +250,40 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 
 
 @triton.jit
-def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
-            sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+def _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d, sq_s, sq_h,
+               sdo_s, sdo_h, scale2, HKV: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, WINDOW: tl.constexpr,
+               PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Block i's share of the context tile's dK/dV (unmasked: its span covers the tile, no window)."""
+    qrow = i * B + slot
+    q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
+    do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None], other=0.0)
+    lse = tl.load(LSE + (i * HKV + g) * RB + r)
+    delta = tl.load(DELTA + (i * HKV + g) * RB + r)
+    pt = tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :])
+    if MASKED:
+        start = tl.load(START + i)
+        end = tl.load(END + i)
+        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
+        if WINDOW > 0:
+            a = tl.load(ANCH + i)
+            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
+        pt = tl.where(vis, pt, 0.0)
+    # Unmasked, a tile row past the tile's real rows has zero q and dO (and D = 0): its column of pt
+    # meets zeros only.
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])
+    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, WLO, WHI, TORDER, sq_s, sq_h, sk_s,
+            sk_h, sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
             RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
-            HEADS_FIRST: tl.constexpr):
+            HEADS_FIRST: tl.constexpr, WHOLE: tl.constexpr):
     """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
-    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md)."""
+    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md); the
+    blocks [wlo, whi) inside that range see the whole tile and skip the mask (`WHOLE`)."""
     place, g = _place_and_head(HEADS_FIRST)
     t = tl.load(TORDER + place)
     r, _, _, live, slot, head = _rows(g, G, B, RB, 1)
@@ -222,23 +296,21 @@ def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI
     dv = tl.zeros([BLOCK_N2, D], tl.float32)
     lo = tl.load(LO + t)
     hi = tl.load(HI + t)
-    for i in range(lo, hi):
-        qrow = i * B + slot
-        q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
-        do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None],
-                     other=0.0)
-        lse = tl.load(LSE + (i * HKV + g) * RB + r)
-        delta = tl.load(DELTA + (i * HKV + g) * RB + r)
-        start = tl.load(START + i)
-        end = tl.load(END + i)
-        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
-        if WINDOW > 0:
-            a = tl.load(ANCH + i)
-            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
-        pt = tl.where(vis, tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :]), 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-        dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    wlo = hi
+    whi = hi
+    if WHOLE and WINDOW == 0:
+        wlo = tl.load(WLO + t)
+        whi = tl.load(WHI + t)
+    # In block order either way: the sums are the masked loop's, term by term.
+    for i in range(lo, wlo):
+        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
+                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, True)
+    for i in range(wlo, whi):
+        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
+                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, False)
+    for i in range(whi, hi):
+        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
+                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, True)
     tl.store(DK + n[:, None] * sk_s + g * sk_h + d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=in_t[:, None])
     tl.store(DV + n[:, None] * sv_s + g * sv_h + d[None, :], dv.to(DV.dtype.element_ty), mask=in_t[:, None])

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The block kernels' whole tiles (block_attn.WHOLE_TILES: the key tiles every row of a program sees whole
+# skip the mask) against every tile masked, in one device call, at the 8B drafter's shapes:
+#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers);
+#   2. one drafter layer's attention alone (bench/flex_tiles.py): triton and triton-masked, alternating, twice;
+#   3. the drafter step (bench/drafter_step.py): the default and +masked alternating, $RUNS each, in one
+#      process, and the default's compiled-against-eager losses over $LOSS_STEPS steps.
+# From the repo root:  bash bench/run_whole_h200.sh   (under $OUT: run_whole.log, whole.json, the parts' JSON)
+# Prints a table last.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
+LOG=$OUT/run_whole.log
+mkdir -p "$OUT"
+t0=$SECONDS
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
+step tests 150 python3 -m pytest -q -rfs tests/test_block_attn.py
+cd bench
+step layer 90 env OUT=/tmp/whole_layer python3 flex_tiles.py --preset qwen3_8b \
+    --variants triton,triton-masked,triton,triton-masked
+cp /tmp/whole_layer/flex_tiles_qwen3_8b.json "$OUT/whole_layer.json"
+modes=$(for _ in $(seq "${RUNS:-2}"); do printf "default+ce=triton,default+ce=triton+masked,"; done | sed 's/,$//')
+step drafter "${T_DRAFTER:-290}" env OUT=/tmp/whole_drafter python3 drafter_step.py --preset qwen3_8b \
+    --modes "$modes" --scope layers --steps 10 --warmup 3 --loss-steps "${LOSS_STEPS:-20}" --loss-mode default+ce=triton
+cp /tmp/whole_drafter/drafter_qwen3_8b_layers.json "$OUT/whole_drafter.json"
+cd ..
+python3 - "$OUT" <<'EOF' | tee -a "$LOG"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+layer, drafter = load("whole_layer.json"), load("whole_drafter.json")
+rows = []
+for v in layer.get("variants", []):
+    if "fwd_ms" in v:
+        rows.append(("layer " + v["variant"], f"fwd {v['fwd_ms']:.3f} bwd {v['bwd_ms']:.3f} ms",
+                     f"rel diff {v['max_rel_diff_vs_first']}"))
+    else:
+        rows.append(("layer " + v["variant"], v.get("error", "?")[:60], ""))
+for m in drafter.get("modes", []):
+    if "ms_per_step" not in m:
+        rows.append((m["mode"], m.get("error", "?")[:60], ""))
+        continue
+    ks = {k["name"]: k["ms"] for k in m["profile"]["top_kernels"] if k["name"].startswith("block_attn")}
+    cls = m["profile"]["ms_per_step_by_class"]
+    rows.append((m["mode"], f"{m['ms_per_step']:.2f} ms, MFU {m['mfu']:.3f}",
+                 f"block attention {cls.get('block_attention', 0):.2f} ms "
+                 f"(fwd {ks.get('block_attn_fwd', 0):.2f}, dq {ks.get('block_attn_bwd_dq', 0):.2f}, "
+                 f"dkv {ks.get('block_attn_bwd_dkv', 0):.2f}), matmul {cls.get('matmul', 0):.1f}, "
+                 f"recompiles {m.get('recompiles_after_warmup')}"))
+lm = drafter.get("loss_match", {})
+if lm:
+    rows.append(("loss, compiled vs eager", f"{lm['mean_rel_diff']:.2%} mean, {lm['max_rel_diff']:.2%} max", ""))
+summary = {"device": drafter.get("device"), "torch": drafter.get("torch"), "rows": rows}
+with open(os.path.join(out, "whole.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+print(f"\n{summary['device']}, torch {summary['torch']}")
+for r in rows:
+    print(f"{r[0]:34} | {r[1]:28} | {r[2]}")
+EOF
+echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"
