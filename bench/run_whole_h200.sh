@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The block kernels' whole tiles (block_attn.WHOLE_TILES: the key tiles every row of a program sees whole
-# skip the mask) against every tile masked, in one device call, at the 8B drafter's shapes:
-#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers);
-#   2. one drafter layer's attention alone (bench/flex_tiles.py): triton and triton-masked, alternating, twice;
+# The block kernels' whole tiles (block_attn.WHOLE_TILES: the forward's key tiles every row of a program sees
+# whole skip the mask; in call J1 dQ's and dK/dV's too) against every tile masked, in one device call, at the
+# 8B drafter's shapes:
+#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers;
+#      call J1 ran the whole file, the interpreter tests too, and ran out of its 150 s);
+#   2. one drafter layer's attention alone (bench/flex_tiles.py): triton and triton-masked, alternating, twice,
+#      then with whole tiles the forward over 128-key tiles (triton-pairq-n128), dQ over 128 (triton-pairq-dq128)
+#      and dK/dV over 64-row tiles with 8 warps (triton-n2x64w8);
 #   3. the drafter step (bench/drafter_step.py): the default and +masked alternating, $RUNS each, in one
 #      process, and the default's compiled-against-eager losses over $LOSS_STEPS steps.
 # From the repo root:  bash bench/run_whole_h200.sh   (under $OUT: run_whole.log, whole.json, the parts' JSON)
@@ -13,10 +17,10 @@ LOG=$OUT/run_whole.log
 mkdir -p "$OUT"
 t0=$SECONDS
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
-step tests 150 python3 -m pytest -q -rfs tests/test_block_attn.py
+step tests 150 python3 -m pytest -q -rfs tests/test_block_attn.py -k cuda
 cd bench
 step layer 90 env OUT=/tmp/whole_layer python3 flex_tiles.py --preset qwen3_8b \
-    --variants triton,triton-masked,triton,triton-masked
+    --variants triton,triton-masked,triton,triton-masked,triton-pairq-n128,triton-pairq-dq128,triton-n2x64w8
 cp /tmp/whole_layer/flex_tiles_qwen3_8b.json "$OUT/whole_layer.json"
 modes=$(for _ in $(seq "${RUNS:-2}"); do printf "default+ce=triton,default+ce=triton+masked,"; done | sed 's/,$//')
 step drafter "${T_DRAFTER:-290}" env OUT=/tmp/whole_drafter python3 drafter_step.py --preset qwen3_8b \

@@ -17,12 +17,10 @@ visited, and GQA needs no repeat of K/V (the G heads' rows meet the same K/V til
   other block sees them); also D_i = rowsum(dO * O).
 - backward 2, per (context tile, KV head): dK/dV of BLOCK_N2 context rows, summed over the blocks
   whose spans touch the tile. Valid anchors are sorted and their documents are contiguous spans,
-  so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`; those whose
-  span covers the whole tile are one range `[whole_lo, whole_hi)` inside it.
+  so span starts and ends both ascend and those blocks are one contiguous range `[lo, hi)`.
 
-Tiles every row of a program sees whole skip the mask (`WHOLE_TILES`): in the forward and dQ the context
-tiles inside all of the program's blocks' spans, in dK/dV the blocks of `[whole_lo, whole_hi)`; the
-partial tiles at a span's end and the blocks' own keys stay masked.
+The forward's context tiles every row of its program sees whole skip the mask (`WHOLE_TILES`); the partial
+tiles at a span's end and the blocks' own keys stay masked.
 
 The forward and dQ may take two consecutive blocks' rows as one tile (`TILES["q_blocks"]`, where
 2 x G*B fits in MAX_ROWS): the matmuls get twice the rows for each key/value tile loaded. Consecutive blocks of one document share their span's start; each row keeps to
@@ -81,11 +79,12 @@ USE_TMA: bool | None = None
 # step slower heads first (BENCHMARKS.md, calls E1-E2), so they start head by head.
 # Read at each launch; outputs are the same bit for bit either way (no program depends on another's order).
 KERNELS = ("fwd", "dq", "dkv")
-# Context tiles that every row of a program sees whole skip the mask (the kernels' WHOLE): the forward's and
-# dQ's tiles inside all of their blocks' spans, dK/dV's blocks whose span covers the tile. False masks every
-# tile, as the kernels did before (benches compare the two). Read at each launch.
-WHOLE_TILES = True
 HEADS_FIRST: frozenset[str] = frozenset({"dkv"})
+# The forward's context tiles that every row of its program sees whole (inside all of its blocks' spans)
+# skip the mask (the kernel's WHOLE): -0.10 to -0.13 ms of forward a step on an H100. dQ and dK/dV split
+# the same way (unmasked loops beside masked ones) ran 0.03-0.15 ms slower, so they mask every tile
+# (BENCHMARKS.md, call J1). False masks every forward tile too (benches compare the two). Read at each launch.
+WHOLE_TILES = True
 
 
 def _launch_order(kernel: str, places: int, kv_heads: int) -> tuple[tuple[int, int], dict]:
@@ -140,8 +139,6 @@ class BlockSpans:
     pair_order: torch.Tensor  # [ceil(A / 2)] int32: block pairs (2p, 2p + 1), most context rows first
     lo: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: first block whose span touches context tile j
     hi: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: one past the last
-    whole_lo: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: first block (in [lo, hi]) whose span covers tile j
-    whole_hi: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: one past the last (whole_lo <= whole_hi <= hi)
     tile_order: torch.Tensor  # [ceil(T / BLOCK_N2)] int32: context tiles, most blocks first
     block_size: int  # B
     window: int  # sliding window W, 0 on full-attention layers
@@ -166,20 +163,13 @@ def block_spans(anchors: torch.Tensor, valid: torch.Tensor, doc_ids: torch.Tenso
     tiles = torch.arange(0, T, key_tile, device=doc_ids.device)
     lo = torch.searchsorted(end, tiles, right=True)  # first span ending after the tile's first row
     hi = torch.maximum(torch.searchsorted(start, tiles + key_tile), lo)  # first span starting past it
-    # The spans covering the whole tile: ending at or past its end (a suffix) and starting at or before its
-    # first row (a prefix). None on sliding layers, whose later slots the window cuts inside the kernels.
-    whole_lo = torch.minimum(torch.searchsorted(end, tiles + key_tile), hi)
-    whole_hi = torch.maximum(torch.minimum(torch.searchsorted(start, tiles, right=True), hi), whole_lo)
-    if window:
-        whole_lo = whole_hi = hi
     i32 = torch.int32
     length = end - start
     pairs = torch.nn.functional.pad(length, (0, length.shape[0] % 2)).view(-1, 2).sum(1)
     return BlockSpans(
         start=start.to(i32), end=end.to(i32), anchor=anchors.to(i32),
         order=torch.argsort(-length, stable=True).to(i32), pair_order=torch.argsort(-pairs, stable=True).to(i32),
-        lo=lo.to(i32), hi=hi.to(i32), whole_lo=whole_lo.to(i32), whole_hi=whole_hi.to(i32),
-        tile_order=torch.argsort(lo - hi, stable=True).to(i32),
+        lo=lo.to(i32), hi=hi.to(i32), tile_order=torch.argsort(lo - hi, stable=True).to(i32),
         block_size=block_size, window=int(window or 0), key_tile=key_tile)
 
 
@@ -200,11 +190,10 @@ def _shape(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[int, int,
 @torch.library.custom_op("dflash_mp::block_attention", mutates_args=())
 def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                         anchor: torch.Tensor, order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                        whole_lo: torch.Tensor, whole_hi: torch.Tensor,
                         tile_order: torch.Tensor, block_size: int, window: int, scale: float,
                         key_tile: int, q_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out `[Q, Hq, D]`, lse); `order` lists the programs of `q_blocks` blocks each (BlockSpans' order
-    or pair_order); `lo`, `hi`, `whole_lo`, `whole_hi`, `tile_order`, `key_tile` are the backward's."""
+    or pair_order); `lo`, `hi`, `tile_order`, `key_tile` are the backward's."""
     q, k, v = (last_dim_dense(x.to(q.dtype)) for x in (q, k, v))
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -222,8 +211,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
 
 
 @block_attention_fwd.register_fake
-def _(q, k, v, start, end, anchor, order, lo, hi, whole_lo, whole_hi, tile_order, block_size, window, scale, key_tile,
-      q_blocks):
+def _(q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile, q_blocks):
     T, A, hkv, g, rows, d = _shape(q, k, block_size)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(A * hkv * rows, dtype=torch.float32)
 
@@ -231,8 +219,7 @@ def _(q, k, v, start, end, anchor, order, lo, hi, whole_lo, whole_hi, tile_order
 @torch.library.custom_op("dflash_mp::block_attention_backward", mutates_args=())
 def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, start: torch.Tensor, end: torch.Tensor, anchor: torch.Tensor,
-                        order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                        whole_lo: torch.Tensor, whole_hi: torch.Tensor, tile_order: torch.Tensor,
+                        order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tile_order: torch.Tensor,
                         block_size: int, window: int, scale: float, key_tile: int, q_blocks: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's and k's shapes."""
@@ -245,8 +232,7 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     delta = torch.empty_like(lse)
     _, dq_kernel, dkv_kernel = _kernels()
     scale2 = scale * math.log2(math.e)
-    common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q),
-                  WHOLE=WHOLE_TILES)
+    common = dict(HKV=hkv, G=g, B=block_size, RB=rows, D=d, WINDOW=window, PREC=input_precision(q))
     tma, kd, vd = key_value_tiles(USE_TMA, k, v, TILES["DQ_BLOCK_N"])
     grid, heads = _launch_order("dq", order.shape[0], hkv)
     launch(dq_kernel, grid,
@@ -257,9 +243,8 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
            TILES["dq_warps"], TILES["dq_stages"], q.device)
     grid, heads = _launch_order("dkv", lo.shape[0], hkv)
     launch(dkv_kernel, grid,
-           (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, whole_lo, whole_hi, tile_order, q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2,
-            scale),
+           (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
            dict(common, BLOCK_N2=key_tile, **heads), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
@@ -271,23 +256,22 @@ def _grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
 
 
 @block_attention_bwd.register_fake
-def _(grad, q, k, v, out, lse, start, end, anchor, order, lo, hi, whole_lo, whole_hi, tile_order, block_size, window,
-      scale, key_tile, q_blocks):
+def _(grad, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile,
+      q_blocks):
     return _grads_like(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, start, end, anchor, order, lo, hi, whole_lo, whole_hi, tile_order = inputs[:12]
-    ctx.save_for_backward(q, k, v, output[0], output[1], start, end, anchor, order, lo, hi, whole_lo, whole_hi,
-                          tile_order)
-    ctx.args = inputs[12:]  # block_size, window, scale, key_tile, q_blocks
+    q, k, v, start, end, anchor, order, lo, hi, tile_order, block_size, window, scale, key_tile, q_blocks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], start, end, anchor, order, lo, hi, tile_order)
+    ctx.args = (block_size, window, scale, key_tile, q_blocks)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, start, end, anchor, order, lo, hi, whole_lo, whole_hi, tile_order = ctx.saved_tensors
-    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, out, lse, start, end, anchor, order, lo, hi, whole_lo,
-                                     whole_hi, tile_order, *ctx.args)
-    return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 14
+    q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order = ctx.saved_tensors
+    dq, dk, dv = block_attention_bwd(grad_out, q, k, v, out, lse, start, end, anchor, order, lo, hi, tile_order,
+                                     *ctx.args)
+    return (dq, dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
 block_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -299,7 +283,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Bl
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     nb = blocks_per_program(TILES["q_blocks"], _shape(q, k, spans.block_size)[4])
     out, _ = block_attention_fwd(q, k, v, spans.start, spans.end, spans.anchor,
-                                 spans.pair_order if nb == 2 else spans.order, spans.lo, spans.hi,
-                                 spans.whole_lo, spans.whole_hi, spans.tile_order,
+                                 spans.pair_order if nb == 2 else spans.order, spans.lo, spans.hi, spans.tile_order,
                                  spans.block_size, spans.window, scale, spans.key_tile, nb)
     return out

@@ -10,11 +10,12 @@ rows, RB rows each (G*B rounded up to a power of two), so NB = 2 doubles the mat
 halves the key/value tiles loaded per row. Two consecutive blocks of one document see spans with one start; of two
 documents, disjoint spans, which the program walks one after the other (no key tile between them).
 
-`WHOLE`: context tiles that every row of the program sees whole (walk 1's tiles up to the shortest of
-its rows' spans; in dK/dV, the blocks whose span covers the tile) skip the mask, the bounds check and the
-empty-row guard; the others are masked. The masked and whole tiles' arithmetic is the same, so the results
-differ at most where the compiler fuses a multiply and a subtraction differently (not at all in Triton's
-interpreter). Off on sliding layers (WINDOW > 0), whose slots' windows cut every tile.
+`WHOLE` (the forward's): context tiles that every row of the program sees whole (walk 1's tiles up to the
+shortest of its rows' spans) skip the mask, the bounds check and the empty-row guard; the others are
+masked. The masked and whole tiles' arithmetic is the same, so the results differ at most where the
+compiler fuses a multiply and a subtraction differently (not at all in Triton's interpreter). Off on
+sliding layers (WINDOW > 0), whose slots' windows cut every tile. dQ and dK/dV mask every tile: split
+that way they ran slower (BENCHMARKS.md, call J1).
 
 `HEADS_FIRST`: the grid is (KV heads, places in the order), so the GPU, which starts programs with
 program_id(0) running fastest, starts every KV head's program of a place before the next place: the
@@ -199,11 +200,9 @@ def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h,
 
 
 @triton.jit
-def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr, MASKED: tl.constexpr = True):
-    """One key tile's share of dQ, and its p and dS (unmasked: every row sees every key, `vis` unused)."""
-    p = tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None])
-    if MASKED:
-        p = tl.where(vis, p, 0.0)
+def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr):
+    """One key tile's share of dQ, and its p and dS."""
+    p = tl.where(vis, tl.exp2(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2 - lse[:, None]), 0.0)
     ds = p * (tl.dot(do, tl.trans(vt), input_precision=PREC) - delta[:, None])
     return dq + tl.dot(ds.to(kt.dtype), kt, input_precision=PREC), p, ds
 
@@ -212,8 +211,7 @@ def _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC: tl.constexpr, MAS
 def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END, ANCH, ORDER, sq_s, sq_h,
            sk_s, sk_h, sv_s, sv_h, so_s, so_h, sdo_s, sdo_h, T, A, scale2, scale, HKV: tl.constexpr,
            G: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr, HEADS_FIRST: tl.constexpr,
-           WHOLE: tl.constexpr):
+           WINDOW: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """Blocks i0 .. i0 + NB - 1, KV head g: dQ of their rows, D = rowsum(dO * O) for bwd_dkv, and dK/dV of
     their own keys."""
     i0, g, rr, blk, slot, head, i, live, qrow, d = _program(ORDER, A, G, B, RB, D, NB, HEADS_FIRST)
@@ -224,13 +222,9 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (i * HKV + g) * RB + rr, delta, mask=i < A)
     lse = tl.load(LSE + (i * HKV + g) * RB + rr, mask=i < A, other=0.0)
-    srow, erow, arow, lo1, hi1, lo2, hi2, whole = _spans(START, END, ANCH, i0, i, live, A, T, NB, BLOCK_N, WINDOW,
-                                                         WHOLE)
+    srow, erow, arow, lo1, hi1, lo2, hi2, _ = _spans(START, END, ANCH, i0, i, live, A, T, NB, BLOCK_N, WINDOW, False)
     dq = tl.zeros([NB * RB, D], tl.float32)
-    for n0 in range(lo1, whole, BLOCK_N):
-        kt, vt = _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA)
-        dq, p, ds = _dq_tile(q, do, kt, vt, None, lse, delta, dq, scale2, PREC, False)
-    for n0 in range(whole, hi1, BLOCK_N):
+    for n0 in range(lo1, hi1, BLOCK_N):
         kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
                                     D, BLOCK_N, WINDOW, TMA, NB)
         dq, p, ds = _dq_tile(q, do, kt, vt, vis, lse, delta, dq, scale2, PREC)
@@ -250,40 +244,12 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 
 
 @triton.jit
-def _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d, sq_s, sq_h,
-               sdo_s, sdo_h, scale2, HKV: tl.constexpr, B: tl.constexpr, RB: tl.constexpr, WINDOW: tl.constexpr,
-               PREC: tl.constexpr, MASKED: tl.constexpr):
-    """Block i's share of the context tile's dK/dV (unmasked: its span covers the tile, no window)."""
-    qrow = i * B + slot
-    q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
-    do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None], other=0.0)
-    lse = tl.load(LSE + (i * HKV + g) * RB + r)
-    delta = tl.load(DELTA + (i * HKV + g) * RB + r)
-    pt = tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :])
-    if MASKED:
-        start = tl.load(START + i)
-        end = tl.load(END + i)
-        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
-        if WINDOW > 0:
-            a = tl.load(ANCH + i)
-            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
-        pt = tl.where(vis, pt, 0.0)
-    # Unmasked, a tile row past the tile's real rows has zero q and dO (and D = 0): its column of pt
-    # meets zeros only.
-    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-    dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])
-    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
-    return dk, dv
-
-
-@triton.jit
-def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, WLO, WHI, TORDER, sq_s, sq_h, sk_s,
-            sk_h, sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
+            sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
             RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
-            HEADS_FIRST: tl.constexpr, WHOLE: tl.constexpr):
+            HEADS_FIRST: tl.constexpr):
     """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
-    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md); the
-    blocks [wlo, whi) inside that range see the whole tile and skip the mask (`WHOLE`)."""
+    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md)."""
     place, g = _place_and_head(HEADS_FIRST)
     t = tl.load(TORDER + place)
     r, _, _, live, slot, head = _rows(g, G, B, RB, 1)
@@ -296,21 +262,23 @@ def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI
     dv = tl.zeros([BLOCK_N2, D], tl.float32)
     lo = tl.load(LO + t)
     hi = tl.load(HI + t)
-    wlo = hi
-    whi = hi
-    if WHOLE and WINDOW == 0:
-        wlo = tl.load(WLO + t)
-        whi = tl.load(WHI + t)
-    # In block order either way: the sums are the masked loop's, term by term.
-    for i in range(lo, wlo):
-        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
-                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, True)
-    for i in range(wlo, whi):
-        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
-                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, False)
-    for i in range(whi, hi):
-        dk, dv = _dkv_block(i, kt, vt, n, dk, dv, Q, DO, LSE, DELTA, START, END, ANCH, g, r, live, slot, head, d,
-                            sq_s, sq_h, sdo_s, sdo_h, scale2, HKV, B, RB, WINDOW, PREC, True)
+    for i in range(lo, hi):
+        qrow = i * B + slot
+        q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
+        do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None],
+                     other=0.0)
+        lse = tl.load(LSE + (i * HKV + g) * RB + r)
+        delta = tl.load(DELTA + (i * HKV + g) * RB + r)
+        start = tl.load(START + i)
+        end = tl.load(END + i)
+        vis = ((n >= start) & (n < end))[:, None] & live[None, :]
+        if WINDOW > 0:
+            a = tl.load(ANCH + i)
+            vis = vis & (n[:, None] > a + slot[None, :] - WINDOW)
+        pt = tl.where(vis, tl.exp2(tl.dot(kt, tl.trans(q), input_precision=PREC) * scale2 - lse[None, :]), 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dst = pt * (tl.dot(vt, tl.trans(do), input_precision=PREC) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     tl.store(DK + n[:, None] * sk_s + g * sk_h + d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=in_t[:, None])
     tl.store(DV + n[:, None] * sv_s + g * sv_h + d[None, :], dv.to(DV.dtype.element_ty), mask=in_t[:, None])
