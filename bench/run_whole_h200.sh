@@ -9,6 +9,7 @@
 #      and dK/dV over 64-row tiles with 8 warps (triton-n2x64w8);
 #   3. the drafter step (bench/drafter_step.py): the default and +masked alternating, $RUNS each, in one
 #      process, and the default's compiled-against-eager losses over $LOSS_STEPS steps.
+# Call J2: LAYER_VARIANTS= LOSS_STEPS=0 (the device time left).
 # From the repo root:  bash bench/run_whole_h200.sh   (under $OUT: run_whole.log, whole.json, the parts' JSON)
 # Prints a table last.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
@@ -19,9 +20,11 @@ t0=$SECONDS
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 step tests 150 python3 -m pytest -q -rfs tests/test_block_attn.py -k cuda
 cd bench
-step layer 90 env OUT=/tmp/whole_layer python3 flex_tiles.py --preset qwen3_8b \
-    --variants triton,triton-masked,triton,triton-masked,triton-pairq-n128,triton-pairq-dq128,triton-n2x64w8
-cp /tmp/whole_layer/flex_tiles_qwen3_8b.json "$OUT/whole_layer.json"
+LAYER_VARIANTS=${LAYER_VARIANTS-triton,triton-masked,triton,triton-masked,triton-pairq-n128,triton-pairq-dq128,triton-n2x64w8}
+if [ -n "$LAYER_VARIANTS" ]; then  # LAYER_VARIANTS= skips the layer bench
+    step layer 90 env OUT=/tmp/whole_layer python3 flex_tiles.py --preset qwen3_8b --variants "$LAYER_VARIANTS"
+    cp /tmp/whole_layer/flex_tiles_qwen3_8b.json "$OUT/whole_layer.json"
+fi
 modes=$(for _ in $(seq "${RUNS:-2}"); do printf "default+ce=triton,default+ce=triton+masked,"; done | sed 's/,$//')
 step drafter "${T_DRAFTER:-290}" env OUT=/tmp/whole_drafter python3 drafter_step.py --preset qwen3_8b \
     --modes "$modes" --scope layers --steps 10 --warmup 3 --loss-steps "${LOSS_STEPS:-20}" --loss-mode default+ce=triton
