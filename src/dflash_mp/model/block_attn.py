@@ -81,7 +81,7 @@ USE_TMA: bool | None = None
 KERNELS = ("fwd", "dq", "dkv")
 HEADS_FIRST: frozenset[str] = frozenset({"dkv"})
 # The forward's context tiles that every row of its program sees whole (inside all of its blocks' spans)
-# skip the mask (the kernel's WHOLE): -0.10 to -0.13 ms of forward a step on an H100. dQ and dK/dV split
+# skip the mask (the kernel's WHOLE): -0.08 to -0.13 ms of forward a step on an H100. dQ and dK/dV split
 # the same way (unmasked loops beside masked ones) ran 0.03-0.15 ms slower, so they mask every tile
 # (BENCHMARKS.md, call J1). False masks every forward tile too (benches compare the two). Read at each launch.
 WHOLE_TILES = True
