@@ -43,8 +43,11 @@ def make_row(T, A, lens, device="cpu", seed=0):
     return anchors.to(device), valid.to(device), docs.to(device)
 
 
-def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
-    """The kernels' out, dq, dk, dv against fp32 dense sdpa on `make_mask_mod`: relative L2 errors."""
+def run_kernels(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
+    """The kernels on a case's row with fixed random inputs: the row, the spans, q, k, v, the incoming
+    gradient and `got`, the kernels' (out, dq, dk, dv)."""
+    from types import SimpleNamespace
+
     from dflash_mp.model import block_attn
     from dflash_mp.model.block_attn import block_attention
 
@@ -58,7 +61,15 @@ def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32
     fn = torch.compile(block_attention, fullgraph=True) if compiled else block_attention
     out = fn(q, k, v, spans)
     grad = torch.randn(out.shape, generator=g).to(device, dtype)
-    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    got = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+    return SimpleNamespace(anchors=anchors, valid=valid, docs=docs, spans=spans, q=q, k=k, v=v, grad=grad, got=got)
+
+
+def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
+    """The kernels' out, dq, dk, dv against fp32 dense sdpa on `make_mask_mod`: relative L2 errors."""
+    r = run_kernels(T, A, B, Hq, Hkv, D, window, lens, device, dtype, compiled)
+    anchors, valid, docs, q, k, v, grad, got = r.anchors, r.valid, r.docs, r.q, r.k, r.v, r.grad, r.got
+    Q = A * B
     mask = create_mask(make_mask_mod(anchors, valid, docs, T, B, window), 1, 1, Q, T + Q, device)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qf, kf, vf)), attn_mask=mask,
@@ -172,17 +183,15 @@ def check_whole_tiles() -> None:
             block_attn.TILES.update(q_blocks=blocks, BLOCK_N=16, DQ_BLOCK_N=16, BLOCK_N2=16)
             block_attn.USE_TMA = tma
             for case in WHOLE_CASES:
-                T, A, B, Hq, Hkv, D, window, lens = case
-                anchors, valid, docs = make_row(T, A, lens)
-                spans = block_spans(anchors, valid, docs, B, window)
-                whole += whole_tiles(spans, blocks, 16)
                 errors = compare(*case)
                 assert max(errors.values()) < 1e-5, (tma, blocks, case, errors)
                 results = []
                 for on in (True, False):
                     block_attn.WHOLE_TILES = on
-                    results.append(run_kernels(case))
+                    results.append(run_kernels(*case))
                 block_attn.WHOLE_TILES = True
+                whole += whole_tiles(results[0].spans, blocks, 16)
+                results = [r.got for r in results]
                 for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
                     assert torch.equal(a, b), (name, tma, blocks, case)
     assert whole > 100, whole  # the cases do take the unmasked path
@@ -197,20 +206,6 @@ def whole_tiles(spans, blocks: int, tile: int) -> int:
     firsts = range(0, len(start), blocks)
     return sum((end[i] - start[i]) // tile for i in firsts
                if blocks == 1 or (i + 1 < len(start) and start[i + 1] == start[i] < end[i]))
-
-
-def run_kernels(case) -> tuple[torch.Tensor, ...]:
-    """The kernels' out, dq, dk, dv on `case`'s row with fixed inputs."""
-    from dflash_mp.model.block_attn import block_attention
-
-    T, A, B, Hq, Hkv, D, window, lens = case
-    anchors, valid, docs = make_row(T, A, lens)
-    spans = block_spans(anchors, valid, docs, B, window)
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(n, h, D, generator=g).requires_grad_()
-               for n, h in ((A * B, Hq), (T + A * B, Hkv), (T + A * B, Hkv)))
-    out = block_attention(q, k, v, spans)
-    return (out.detach(), *torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g)))
 
 
 def check_heads_first() -> None:

@@ -85,6 +85,25 @@ def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _key_tiles(K, V, KD, VD, n0, ok, g, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               TMA: tl.constexpr, MASKED: tl.constexpr):
+    """K/V rows [n0, n0 + BLOCK_N) of KV head g: through descriptors, or through pointers with the rows
+    where `ok` is False as zeros (MASKED; unmasked, every row is inside every span: no bounds check)."""
+    if TMA:
+        kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
+        vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
+    else:
+        n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
+            vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
+        else:
+            kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :])
+            vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :])
+    return kt, vt
+
+
+@triton.jit
 def _context_keys(K, V, KD, VD, n0, hi, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr, NB: tl.constexpr):
     """K/V rows [n0, n0 + BLOCK_N) of KV head g, cut at the walk's end `hi`, and which (row, key) pairs
@@ -94,12 +113,7 @@ def _context_keys(K, V, KD, VD, n0, hi, srow, erow, arow, g, slot, d, sk_s, sk_h
     them reaches a result."""
     n = n0 + tl.arange(0, BLOCK_N)
     ok = n < hi
-    if TMA:
-        kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
-        vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
-    else:
-        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :], mask=ok[:, None], other=0.0)
+    kt, vt = _key_tiles(K, V, KD, VD, n0, ok, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA, True)
     if NB == 1:  # one block: its span is the walk
         vis = ok[None, :]
     else:
@@ -107,20 +121,6 @@ def _context_keys(K, V, KD, VD, n0, hi, srow, erow, arow, g, slot, d, sk_s, sk_h
     if WINDOW > 0:
         vis = vis & (n[None, :] > arow[:, None] + slot[:, None] - WINDOW)
     return kt, vt, vis
-
-
-@triton.jit
-def _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                TMA: tl.constexpr):
-    """K/V rows [n0, n0 + BLOCK_N) of KV head g, all inside every row's span (no bounds check)."""
-    if TMA:
-        kt = tl.reshape(KD.load([n0, g, 0]), [BLOCK_N, D])
-        vt = tl.reshape(VD.load([n0, g, 0]), [BLOCK_N, D])
-    else:
-        n = n0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(K + n[:, None] * sk_s + g * sk_h + d[None, :])
-        vt = tl.load(V + n[:, None] * sv_s + g * sv_h + d[None, :])
-    return kt, vt
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def block_attn_fwd(Q, K, V, KD, VD, O, LSE, START, END, ANCH, ORDER, sq_s, sq_h,
     l = tl.zeros([NB * RB], tl.float32)
     acc = tl.zeros([NB * RB, D], tl.float32)
     for n0 in range(lo1, whole, BLOCK_N):
-        kt, vt = _whole_keys(K, V, KD, VD, n0, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA)
+        kt, vt = _key_tiles(K, V, KD, VD, n0, None, g, d, sk_s, sk_h, sv_s, sv_h, D, BLOCK_N, TMA, False)
         m, l, acc = _online(tl.dot(q, tl.trans(kt), input_precision=PREC) * scale2, m, l, acc, vt, None, PREC, False)
     for n0 in range(whole, hi1, BLOCK_N):
         kt, vt, vis = _context_keys(K, V, KD, VD, n0, hi1, srow, erow, arow, g, slot, d, sk_s, sk_h, sv_s, sv_h,
