@@ -79,6 +79,31 @@ def blas_library(name: str | None, device):
         torch.backends.cuda.preferred_blas_library(before)
 
 
+@contextlib.contextmanager
+def block_kernel_settings(tiles: dict | None = None, use_tma: bool | None = None,
+                          heads_first: frozenset | None = None, whole_tiles: bool | None = None):
+    """The Triton block kernels' module settings (dflash_mp/model/block_attn.py, read at each launch) as
+    given for the body and restored after it, whatever it raises: `tiles` updates TILES; None leaves a
+    setting as it is (the benches' `btiles`, `bptr`, `heads*` and `masked` variants)."""
+    from dflash_mp.model import block_attn
+
+    saved = dict(block_attn.TILES), block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES
+    try:
+        if tiles is not None:
+            block_attn.TILES.update(tiles)
+        if use_tma is not None:
+            block_attn.USE_TMA = use_tma
+        if heads_first is not None:
+            block_attn.HEADS_FIRST = heads_first
+        if whole_tiles is not None:
+            block_attn.WHOLE_TILES = whole_tiles
+        yield
+    finally:
+        block_attn.TILES.clear()
+        block_attn.TILES.update(saved[0])
+        block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES = saved[1:]
+
+
 # The calls from which a job's process has run with each option's default (BENCHMARKS.md).
 DEFAULT_SINCE = {"target": {"cublas_workspace": "G4", "reduction_configs": "I2"},
                  "train": {"cublas_workspace": "H2", "reduction_configs": "I2"}}

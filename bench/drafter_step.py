@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from common import DRAFTERS, add_process_options, apply_process_options, blas_library, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
+from common import DRAFTERS, add_process_options, apply_process_options, blas_library, block_kernel_settings, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
@@ -253,31 +253,21 @@ def main() -> None:
                **options, "modes": []}
     from dflash_mp.model import block_attn
 
-    use_tma, heads_first, whole_tiles = block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES
     for mode in a.modes.split(","):
         try:
             flags = parse_mode(mode)[1]
-            # The block kernels read their tiles and USE_TMA at each launch: set for this mode's run only.
-            if flags.get("btiles"):
-                block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[flags["btiles"]]))
-            if flags.get("bptr"):
-                block_attn.USE_TMA = False
-            if flags.get("headslast"):
-                block_attn.HEADS_FIRST = frozenset()
-            if flags.get("headsall"):
-                block_attn.HEADS_FIRST = frozenset(block_attn.KERNELS)
-            if flags.get("masked"):
-                block_attn.WHOLE_TILES = False
-            with blas_library("cublaslt" if flags.get("lt") else None, device):
+            # The block kernels read their settings at each launch: set for this mode's run only.
+            heads = {"headslast": frozenset(), "headsall": frozenset(block_attn.KERNELS)}
+            settings = block_kernel_settings(
+                tiles=dict(DEFAULT_TILES, **TRITON_VARIANTS[flags["btiles"]]) if flags.get("btiles") else None,
+                use_tma=False if flags.get("bptr") else None,
+                heads_first=next((heads[k] for k in heads if flags.get(k)), None),
+                whole_tiles=False if flags.get("masked") else None)
+            with settings, blas_library("cublaslt" if flags.get("lt") else None, device):
                 r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope,
                              a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures
             r = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:2000]}
-        finally:
-            block_attn.TILES.update(DEFAULT_TILES)
-            block_attn.USE_TMA = use_tma
-            block_attn.HEADS_FIRST = heads_first
-            block_attn.WHOLE_TILES = whole_tiles
         r["compile_s"] = compile_seconds()  # cumulative over the process: where warm-up time went
         results["modes"].append(r)
         print(r, flush=True)

@@ -22,7 +22,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from common import DRAFTERS, median, synthetic_batch, timed, write_json
+from common import DRAFTERS, block_kernel_settings, median, synthetic_batch, timed, write_json
 from dflash_mp.model import block_attn
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod
@@ -100,14 +100,18 @@ def triton_tiles(name: str) -> str | None:
     return base if base in TRITON_VARIANTS else None
 
 
+def triton_settings(name: str) -> dict:
+    """common.block_kernel_settings' arguments for variant `name`: its TILES, the context tiles through
+    pointers for a `-ptr` name and every tile masked for a `-masked` one; none for a flex variant."""
+    if not triton_tiles(name):
+        return {}
+    return {"tiles": dict(DEFAULT_TILES, **TRITON_VARIANTS[triton_tiles(name)]),
+            "use_tma": False if name.endswith("-ptr") else None,
+            "whole_tiles": not name.removesuffix("-ptr").endswith("-masked")}
+
+
 def triton_variant(name: str, anchors, valid, doc_ids, B: int, q, k, v, dout):
-    """(fwd, fwd_bwd, result) of the block kernels with TILES overridden as `name` says, the context tiles
-    through pointers for a `-ptr` name and every tile masked for a `-masked` one (the caller restores
-    block_attn.USE_TMA and WHOLE_TILES)."""
-    block_attn.TILES.update(dict(DEFAULT_TILES, **TRITON_VARIANTS[triton_tiles(name)]))
-    if name.endswith("-ptr"):
-        block_attn.USE_TMA = False
-    block_attn.WHOLE_TILES = not name.removesuffix("-ptr").endswith("-masked")
+    """(fwd, fwd_bwd, result) of the block kernels, run under `triton_settings(name)` (the caller's)."""
     spans = block_attn.block_spans(anchors, valid, doc_ids, B, None)
     qq, kk, vv = (t[0].transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v))  # [S, heads, D]
     do = dout[0].transpose(0, 1).contiguous()
@@ -189,36 +193,33 @@ def main() -> None:
     dout = torch.randn(1, p["heads"], q_len, D, device=device, dtype=dt, generator=g)
     masks, out, ref, t0 = {}, [], None, time.time()
     pairs = int(mask_mod_pairs(mask_mod, q_len, kv_len, device))
-    use_tma, whole_tiles = block_attn.USE_TMA, block_attn.WHOLE_TILES
     fwd_flop = 4 * D * p["heads"] * pairs  # QK^T and PV over the visible pairs
     for name in a.variants.split(","):
         if time.time() - t0 > a.budget_s:
             out.append({"variant": name, "error": "skipped: over --budget-s"})
             continue
         try:
-            if triton_tiles(name):
-                fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
-                info = {"block_size": None, "kernel_options": TRITON_VARIANTS[triton_tiles(name)], "tiles": 0}
-            else:
-                fwd, fwd_bwd, result, info = flex_variant(name, masks, mask_mod, q_len, kv_len, q, k, v, dout, device)
-            tc = time.time()
-            fwd_bwd()
-            compile_s = time.time() - tc
-            f_ms = median(timed(fwd, a.steps, device))
-            fb_ms = median(timed(fwd_bwd, a.steps, device))
-            res = result()
-            diff = None
-            if ref is None:
-                ref = res
-            else:
-                diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
-            r = {"variant": name, **info, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms,
-                 "compile_s": round(compile_s, 1), "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
+            with block_kernel_settings(**triton_settings(name)):
+                if triton_tiles(name):
+                    fwd, fwd_bwd, result = triton_variant(name, anchors, valid, hb.doc_ids, B, q, k, v, dout)
+                    info = {"block_size": None, "kernel_options": TRITON_VARIANTS[triton_tiles(name)], "tiles": 0}
+                else:
+                    fwd, fwd_bwd, result, info = flex_variant(name, masks, mask_mod, q_len, kv_len, q, k, v, dout, device)
+                tc = time.time()
+                fwd_bwd()
+                compile_s = time.time() - tc
+                f_ms = median(timed(fwd, a.steps, device))
+                fb_ms = median(timed(fwd_bwd, a.steps, device))
+                res = result()
+                diff = None
+                if ref is None:
+                    ref = res
+                else:
+                    diff = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(res, ref))
+                r = {"variant": name, **info, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms,
+                     "compile_s": round(compile_s, 1), "max_rel_diff_vs_first": diff, "fwd_tflops": fwd_flop / f_ms / 1e9}
         except Exception as e:  # one variant failing must not lose the others
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:1000]}
-        finally:
-            block_attn.USE_TMA = use_tma
-            block_attn.WHOLE_TILES = whole_tiles
         print(r, flush=True)
         out.append(r)
         write_json({"preset": a.preset, "torch": torch.__version__, "variants": out}, f"flex_tiles_{a.preset}.json")

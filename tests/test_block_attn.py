@@ -8,6 +8,9 @@ with the context tiles loaded through pointers and through tensor descriptors (T
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,8 @@ from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod, resolve_backend
 from dflash_mp.model.block_attn import block_spans, blocks_per_program, unsupported
 from dflash_mp.triton_launch import use_tma
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benches' helpers
 
 # (T, A, B, Hq, Hkv, D, window, document lengths): full and sliding; invalid anchors (fewer
 # candidates than A); 3 query heads per KV head (48 rows in a 64-row tile); B = 32; one document;
@@ -265,10 +270,6 @@ def test_heads_first_spreads_the_dkv_programs_of_the_bench_rows_over_the_sms():
     """bench/dkv_balance.py's model of the 8B step's dK/dV launch (192 programs, one an SM of 132): started
     head by head, the last heads' longest tiles begin after the first heads' shortest end, and the last SM
     finishes at ~1.5x a perfect spread; heads first, ~1.1x. The model's parts on a case worked by hand."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import dkv_balance
     from common import DRAFTERS
 
@@ -436,3 +437,24 @@ def check_stage_fallback() -> None:
 def test_tiles_too_large_for_shared_memory_fall_back_to_fewer_stages():
     run = triton_interp.run("test_block_attn", "check_stage_fallback()")
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_bench_block_kernel_settings_hold_for_the_body_and_come_back_after_an_error():
+    """The benches' variants change block_attn's module settings for one run; a variant that raises must
+    not leave them changed for the runs after it (bench/common.block_kernel_settings)."""
+    from common import block_kernel_settings
+    from dflash_mp.model import block_attn
+    from flex_tiles import triton_settings
+
+    before = dict(block_attn.TILES), block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES
+    with pytest.raises(RuntimeError, match="variant failed"):
+        with block_kernel_settings(**triton_settings("triton-pairq-n128-masked-ptr")):
+            assert block_attn.TILES["BLOCK_N"] == 128 and block_attn.TILES["fwd_stages"] == 2
+            assert block_attn.USE_TMA is False and block_attn.WHOLE_TILES is False
+            block_attn.TILES["extra"] = 1
+            raise RuntimeError("variant failed")
+    assert (dict(block_attn.TILES), block_attn.USE_TMA, block_attn.HEADS_FIRST, block_attn.WHOLE_TILES) == before
+    with block_kernel_settings(heads_first=frozenset()):
+        assert block_attn.HEADS_FIRST == frozenset() and block_attn.TILES == before[0]
+    assert block_attn.HEADS_FIRST == before[2]
+    assert triton_settings("bwd32") == {}
