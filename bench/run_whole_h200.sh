@@ -32,14 +32,10 @@ cp /tmp/whole_drafter/drafter_qwen3_8b_layers.json "$OUT/whole_drafter.json"
 cd ..
 python3 - "$OUT" <<'EOF' | tee -a "$LOG"
 import json, os, sys
+sys.path.insert(0, "bench")
+from modes_table import drafter_rows, load, print_rows
 out = sys.argv[1]
-def load(name):
-    try:
-        with open(os.path.join(out, name)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-layer, drafter = load("whole_layer.json"), load("whole_drafter.json")
+layer, drafter = load(os.path.join(out, "whole_layer.json")), load(os.path.join(out, "whole_drafter.json"))
 rows = []
 for v in layer.get("variants", []):
     if "fwd_ms" in v:
@@ -47,25 +43,10 @@ for v in layer.get("variants", []):
                      f"rel diff {v['max_rel_diff_vs_first']}"))
     else:
         rows.append(("layer " + v["variant"], v.get("error", "?")[:60], ""))
-for m in drafter.get("modes", []):
-    if "ms_per_step" not in m:
-        rows.append((m["mode"], m.get("error", "?")[:60], ""))
-        continue
-    ks = {k["name"]: k["ms"] for k in m["profile"]["top_kernels"] if k["name"].startswith("block_attn")}
-    cls = m["profile"]["ms_per_step_by_class"]
-    rows.append((m["mode"], f"{m['ms_per_step']:.2f} ms, MFU {m['mfu']:.3f}",
-                 f"block attention {cls.get('block_attention', 0):.2f} ms "
-                 f"(fwd {ks.get('block_attn_fwd', 0):.2f}, dq {ks.get('block_attn_bwd_dq', 0):.2f}, "
-                 f"dkv {ks.get('block_attn_bwd_dkv', 0):.2f}), matmul {cls.get('matmul', 0):.1f}, "
-                 f"recompiles {m.get('recompiles_after_warmup')}"))
-lm = drafter.get("loss_match", {})
-if lm:
-    rows.append(("loss, compiled vs eager", f"{lm['mean_rel_diff']:.2%} mean, {lm['max_rel_diff']:.2%} max", ""))
+rows += drafter_rows(drafter)
 summary = {"device": drafter.get("device"), "torch": drafter.get("torch"), "rows": rows}
 with open(os.path.join(out, "whole.json"), "w") as f:
     json.dump(summary, f, indent=1)
-print(f"\n{summary['device']}, torch {summary['torch']}")
-for r in rows:
-    print(f"{r[0]:34} | {r[1]:28} | {r[2]}")
+print_rows(summary["device"], summary["torch"], rows)
 EOF
 echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"

@@ -55,7 +55,7 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # block (3.0 ms). Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
-         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
+         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2, "dkv_split": 1}
 # The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,
 # sm_120; fewer stages do not lower it there), by head_dim (16 and 32 as 64), rounded up: 77,824 B (64:
 # dQ) and 132,116 B (128: the 70B drafter's dK/dV) (bench/kernel_resources.py; tests/test_kernel_resources.py
@@ -119,6 +119,16 @@ def blocks_per_program(want: int, rows: int) -> int:
     if want not in (1, 2):
         raise ValueError(f"block_attn.TILES asks for {want} blocks per program; the kernels take 1 or 2")
     return want if want * rows <= MAX_ROWS else 1
+
+
+def dkv_split(want: int, rows: int) -> int:
+    """The parts (1, 2 or 4) the dK/dV kernel walks a block's `rows` tile rows in, `want` or fewer: a part
+    keeps at least 16 rows (a matmul's smallest side)."""
+    if want not in (1, 2, 4):
+        raise ValueError(f"block_attn.TILES asks dK/dV to walk a block in {want} parts; it takes 1, 2 or 4")
+    while want > 1 and rows // want < 16:
+        want //= 2
+    return want
 
 
 def available(device: torch.device) -> bool:
@@ -245,7 +255,8 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     launch(dkv_kernel, grid,
            (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-           dict(common, BLOCK_N2=key_tile, **heads), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
+           dict(common, BLOCK_N2=key_tile, SPLIT=dkv_split(TILES["dkv_split"], rows), **heads), TILES["dkv_warps"],
+           TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
 
