@@ -90,11 +90,6 @@ TRITON_VARIANTS = {
     # dK/dV over 64-row tiles keeping 8 warps: 241 registers and no spill at 8B shapes, where the default
     # spills 48 B and triton-n2x64 (4 warps) 256 B (bench/kernel_resources.py); never timed.
     "triton-n2x64w8": {"BLOCK_N2": 64},
-    # dK/dV walking each block's 64 rows in 2 or 4 parts (block_attn.dkv_split): 238 / 210 registers and no
-    # spill at 8B shapes, against the default's 255 and 48 B (bench/kernel_resources.py), with room for 3 stages.
-    "triton-dkv2": {"dkv_split": 2},
-    "triton-dkv2s3": {"dkv_split": 2, "dkv_stages": 3},
-    "triton-dkv4s3": {"dkv_split": 4, "dkv_stages": 3},
 }
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The drafter step at its defaults against variants of it, in one device call at the 8B drafter's shapes:
-#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers,
-#      dK/dV in parts);
+#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers);
 #   2. the drafter step (bench/drafter_step.py), in one process: the default, then each of $VARIANTS (its
 #      `+flag` suffixes), $RUNS times over, and with LOSS_STEPS > 0 the default's compiled-against-eager losses.
-# VARIANTS is required: e.g. VARIANTS=+btiles=triton-dkv2,+btiles=triton-dkv2s3 (calls K2-).
+# VARIANTS is required: e.g. VARIANTS=+masked,+btiles=triton-pairq-n128 (call K2 compared dK/dV in parts, at
+# commit 8b20360: VARIANTS=+btiles=triton-dkv2,+btiles=triton-dkv2s3,+btiles=triton-dkv4s3).
 # From the repo root:  VARIANTS=... bash bench/run_modes_h200.sh   (under $OUT: run_modes.log, modes.json,
 # modes_drafter.json). Prints a table last.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step

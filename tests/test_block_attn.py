@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_mask
 import triton_interp
 from dflash_mp.model.anchors import sample_anchors
 from dflash_mp.model.attention import make_mask_mod, resolve_backend
-from dflash_mp.model.block_attn import block_spans, blocks_per_program, dkv_split, unsupported
+from dflash_mp.model.block_attn import block_spans, blocks_per_program, unsupported
 from dflash_mp.triton_launch import use_tma
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benches' helpers
@@ -169,10 +169,6 @@ def test_shapes_the_kernels_refuse_are_named_with_the_fix():
     assert blocks_per_program(2, 64) == 2 and blocks_per_program(2, 128) == 1 and blocks_per_program(1, 64) == 1
     with pytest.raises(ValueError, match="asks for 3 blocks per program; the kernels take 1 or 2"):
         blocks_per_program(3, 32)
-    # dK/dV walks a block in parts of at least 16 rows (8B: 64 rows, so 2 or 4 parts; 16 rows, whole).
-    assert dkv_split(2, 64) == 2 and dkv_split(4, 32) == 2 and dkv_split(4, 16) == 1 and dkv_split(1, 64) == 1
-    with pytest.raises(ValueError, match="walk a block in 3 parts; it takes 1, 2 or 4"):
-        dkv_split(3, 64)
 
 
 # Documents longer than the 16-row tiles of check_whole_tiles: most context tiles are seen whole.
@@ -257,26 +253,6 @@ def check_heads_first() -> None:
             assert torch.equal(a, b), name
 
 
-def check_dkv_split() -> None:
-    """dK/dV walking each block's tile rows in 2 and 4 parts: every case against the dense path in fp32 (a
-    part keeps at least 16 rows: the cases of 16-row tiles walk them whole, the others in parts)."""
-    from dflash_mp.model import block_attn
-
-    split = [dkv_split(4, block_attn._next_pow2(c[3] // c[4] * c[2])) for c in CASES]
-    assert split == [2, 2, 2, 2, 4, 4, 1, 4], split
-    for parts in (2, 4):
-        block_attn.TILES.update(dkv_split=parts)
-        for case in CASES:
-            errors = compare(*case)
-            assert max(errors.values()) < 1e-5, (parts, case, errors)
-
-
-@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_dkv_walking_a_block_in_parts_matches_dense_attention_in_the_triton_interpreter():
-    run = triton_interp.run("test_block_attn", "check_dkv_split()")
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_kernels_match_dense_attention_in_the_triton_interpreter(blocks):
@@ -319,15 +295,14 @@ def test_the_kernels_named_start_their_programs_longest_first_over_all_kv_heads_
 def test_kernels_match_dense_attention_on_cuda(compiled):
     """bf16 at 8B-like head shapes (32 query heads over 8 KV heads, D = 128), eager and compiled: two
     blocks per program in the forward and dQ (the default), then one block with the tiles it ran with
-    before, then dK/dV walking each block in two parts."""
+    before."""
     from dflash_mp.model import block_attn
 
     torch._dynamo.reset()
     tiles = dict(block_attn.TILES)
     try:
         for name, changes in (("pairs", {}),
-                              ("one block", dict(q_blocks=1, fwd_warps=4, dq_warps=4, DQ_BLOCK_N=128, dq_stages=2)),
-                              ("dK/dV in parts", dict(dkv_split=2, dkv_stages=3))):
+                              ("one block", dict(q_blocks=1, fwd_warps=4, dq_warps=4, DQ_BLOCK_N=128, dq_stages=2))):
             block_attn.TILES.update(tiles, **changes)
             for window in (None, 64):
                 errors = compare(1024, 64, 16, 32, 8, 128, window, [300, 500, 100], "cuda", torch.bfloat16, compiled)

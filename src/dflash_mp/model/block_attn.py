@@ -52,10 +52,11 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # dQ (128-row tiles, 8 warps, dQ over 64-key tiles in 3 stages): the backward 2.03-2.24 ms against
 # 2.38-2.65 with one block, the step's block attention 10.0 ms against 11.7; two blocks in dK/dV was
 # slower (5.5-5.9 ms: its 128 x 128 tiles of four matmuls spill), and so was dQ over 64-key tiles with one
-# block (3.0 ms). Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a
+# block (3.0 ms). dK/dV walking a block's 64 rows in 2 or 4 parts of 32 or 16 (no spill, 238 / 210 registers
+# against 255) took 4.41-4.77 ms a step against 3.08-3.11 (call K2, an H100; removed after it). Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a
 # block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
-         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2, "dkv_split": 1}
+         "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
 # The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,
 # sm_120; fewer stages do not lower it there), by head_dim (16 and 32 as 64), rounded up: 77,824 B (64:
 # dQ) and 132,116 B (128: the 70B drafter's dK/dV) (bench/kernel_resources.py; tests/test_kernel_resources.py
@@ -119,16 +120,6 @@ def blocks_per_program(want: int, rows: int) -> int:
     if want not in (1, 2):
         raise ValueError(f"block_attn.TILES asks for {want} blocks per program; the kernels take 1 or 2")
     return want if want * rows <= MAX_ROWS else 1
-
-
-def dkv_split(want: int, rows: int) -> int:
-    """The parts (1, 2 or 4) the dK/dV kernel walks a block's `rows` tile rows in, `want` or fewer: a part
-    keeps at least 16 rows (a matmul's smallest side)."""
-    if want not in (1, 2, 4):
-        raise ValueError(f"block_attn.TILES asks dK/dV to walk a block in {want} parts; it takes 1, 2 or 4")
-    while want > 1 and rows // want < 16:
-        want //= 2
-    return want
 
 
 def available(device: torch.device) -> bool:
@@ -255,8 +246,7 @@ def block_attention_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     launch(dkv_kernel, grid,
            (q, k, v, grad, lse, delta, dk, dv, start, end, anchor, lo, hi, tile_order, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad.stride(0), grad.stride(1), T, scale2, scale),
-           dict(common, BLOCK_N2=key_tile, SPLIT=dkv_split(TILES["dkv_split"], rows), **heads), TILES["dkv_warps"],
-           TILES["dkv_stages"], q.device)
+           dict(common, BLOCK_N2=key_tile, **heads), TILES["dkv_warps"], TILES["dkv_stages"], q.device)
     return dq, dk, dv
 
 

@@ -247,12 +247,12 @@ def block_attn_bwd_dq(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, DK, DV, START, END
 def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI, TORDER, sq_s, sq_h, sk_s, sk_h,
             sv_s, sv_h, sdo_s, sdo_h, T, scale2, scale, HKV: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
             RB: tl.constexpr, D: tl.constexpr, BLOCK_N2: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
-            HEADS_FIRST: tl.constexpr, SPLIT: tl.constexpr = 1):
+            HEADS_FIRST: tl.constexpr):
     """Context tile t (the program's place in TORDER), KV head g: dK/dV of its rows over blocks [lo, hi),
-    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md), or its
-    RB // SPLIT rows at a time: SPLIT parts of a block per step, smaller score tiles in fewer registers."""
+    one block's rows at a time (two at a time, tried, spilled its 128 x 128 tiles: BENCHMARKS.md)."""
     place, g = _place_and_head(HEADS_FIRST)
     t = tl.load(TORDER + place)
+    r, _, _, live, slot, head = _rows(g, G, B, RB, 1)
     d = tl.arange(0, D)
     n = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
     in_t = n < T
@@ -262,12 +262,7 @@ def block_attn_bwd_dkv(Q, K, V, DO, LSE, DELTA, DK, DV, START, END, ANCH, LO, HI
     dv = tl.zeros([BLOCK_N2, D], tl.float32)
     lo = tl.load(LO + t)
     hi = tl.load(HI + t)
-    for j in range(lo * SPLIT, hi * SPLIT):
-        i = j // SPLIT
-        r = (j % SPLIT) * (RB // SPLIT) + tl.arange(0, RB // SPLIT)  # this step's rows of the block's tile
-        live = r < G * B
-        slot = r % B
-        head = g * G + r // B
+    for i in range(lo, hi):
         qrow = i * B + slot
         q = tl.load(Q + qrow[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
         do = tl.load(DO + qrow[:, None] * sdo_s + head[:, None] * sdo_h + d[None, :], mask=live[:, None],
