@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The drafter step at its defaults against variants of it, in one device call at the 8B drafter's shapes:
-#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers);
+#   1. the block kernels' CUDA tests (against dense attention: eager and compiled, descriptors and pointers),
+#      or the pytest arguments in $TESTS;
 #   2. the drafter step (bench/drafter_step.py), in one process: the default, then each of $VARIANTS (its
 #      `+flag` suffixes), $RUNS times over, and with LOSS_STEPS > 0 the default's compiled-against-eager losses.
 # VARIANTS is required: e.g. VARIANTS=+masked,+btiles=triton-pairq-n128 (call K2 compared dK/dV in parts, at
@@ -14,7 +15,8 @@ LOG=$OUT/run_modes.log
 mkdir -p "$OUT"
 t0=$SECONDS
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
-step tests "${T_TESTS:-150}" python3 -m pytest -q -rfs tests/test_block_attn.py -k cuda
+# shellcheck disable=SC2086  # TESTS: pytest's arguments, split on spaces
+step tests "${T_TESTS:-150}" python3 -m pytest -q -rfs ${TESTS:-tests/test_block_attn.py -k cuda}
 modes=$(for _ in $(seq "${RUNS:-2}"); do
     printf "default+ce=triton,"
     for v in ${VARIANTS//,/ }; do printf "default+ce=triton%s," "$v"; done
