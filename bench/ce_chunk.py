@@ -49,27 +49,13 @@ VARIANTS = {
     "triton-gt4": ("triton", {"GRAD_TILES": 4}),
     "triton-b2k": ("triton", {"BLOCK_V": 2048, "STATS_BLOCK": 2048}),
     "triton-b8k": ("triton", {"BLOCK_V": 8192, "STATS_BLOCK": 8192}),
-    # "-fused": both passes in one persistent kernel, a row at a time (ce_kernels.FUSED), at its defaults (8192
-    # lanes, 16 warps, 2 stages, a program an SM) and with one change each.
-    "triton-fused": ("triton", {"FUSED": True}),
-    "triton-fused-w8": ("triton", {"FUSED": True, "FUSED_WARPS": 8}),
-    "triton-fused-w32": ("triton", {"FUSED": True, "FUSED_WARPS": 32}),
-    "triton-fused-st1": ("triton", {"FUSED": True, "FUSED_STAGES": 1}),
-    "triton-fused-st3": ("triton", {"FUSED": True, "FUSED_STAGES": 3}),
-    "triton-fused-b4k": ("triton", {"FUSED": True, "FUSED_BLOCK": 4096}),
-    "triton-fused-2sm": ("triton", {"FUSED": True, "FUSED_PROGRAMS": 264}),  # two rows an SM: ~80 MB in flight
 }
-SETTINGS = ("STATS", "STATS_BLOCK", "STATS_WARPS", "STATS_STAGES", "BLOCK_V", "GRAD_WARPS", "GRAD_TILES", "FUSED",
-            "FUSED_BLOCK", "FUSED_WARPS", "FUSED_STAGES", "FUSED_PROGRAMS")
+SETTINGS = ("STATS", "STATS_BLOCK", "STATS_WARPS", "STATS_STAGES", "BLOCK_V", "GRAD_WARPS", "GRAD_TILES")
 
 
 def passes_alone(logits: torch.Tensor, y: torch.Tensor, steps: int, dev: torch.device) -> dict:
-    """The statistics and the in-place gradient pass over `logits`, each timed alone; with ce_kernels.FUSED
-    the one kernel of both (`fused_ms`; its TB/s counts the bytes of the two kernels' passes)."""
+    """The statistics and the in-place gradient pass over `logits`, each timed alone."""
     logits_bytes = logits.numel() * logits.element_size()
-    if ce_kernels.FUSED:
-        fused = median(timed(lambda: ce_kernels.ce_stats_and_grad_(logits, y), steps, dev))
-        return {"fused_ms": fused, "fused_tb_per_s": 3 * logits_bytes / fused / 1e9}
     stats = median(timed(lambda: ce_kernels.ce_stats(logits, y), steps, dev))
     lse = ce_kernels.ce_stats(logits, y)[2]
     grad = median(timed(lambda: ce_kernels.softmax_grad_(logits, y, lse), steps, dev))
@@ -127,8 +113,6 @@ def main() -> None:
         if "chunk_ms" in r:
             alone = (f" {r['stats_ms']:9.3f} {r['stats_tb_per_s']:6.2f} {r['grad_ms']:8.3f} {r['grad_tb_per_s']:6.2f}"
                      if "stats_ms" in r else "")
-            if "fused_ms" in r:
-                alone = f"  one kernel {r['fused_ms']:.3f} ms ({r['fused_tb_per_s']:.2f} TB/s of the two passes' bytes)"
             print(f"{r['variant']:22} {r['chunk_ms']:9.3f} {r['passes_ms']:9.3f} {r['minimal_tb_per_s'] or 0:6.2f} "
                   f"{r['ce_max_abs']:8.1e} {str(r['pred_equal']):>6} {r['grad_rel']:9.1e}{alone}")
         else:

@@ -80,20 +80,6 @@ def blas_library(name: str | None, device):
 
 
 @contextlib.contextmanager
-def module_settings(module, **values):
-    """`module`'s settings (module-level names read at each call) as `values` for the body, restored after it,
-    whatever it raises."""
-    saved = {k: getattr(module, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(module, k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
-@contextlib.contextmanager
 def block_kernel_settings(tiles: dict | None = None, use_tma: bool | None = None,
                           heads_first: frozenset | None = None, whole_tiles: bool | None = None):
     """The Triton block kernels' module settings (dflash_mp/model/block_attn.py, read at each launch) as
@@ -187,7 +173,7 @@ KERNEL_CLASSES = (  # first match wins (a class may have several rows); lowercas
     ("matmul", ("triton_tem",)),
     ("block_attention", ("block_attn",)),  # the Triton block kernels (drafter.attention=triton)
     ("doc_attention", ("doc_attn_fwd",)),  # the target's Triton kernel (target.attn_implementation=triton)
-    ("loss", ("stats_tiles_kernel", "stats_lanes_kernel", "grad_kernel", "stats_grad_kernel")),  # ce_kernels_triton.py
+    ("loss", ("stats_tiles_kernel", "stats_lanes_kernel", "grad_kernel")),  # model/ce_kernels_triton.py
     # Inductor names a fused kernel after the ops in it: AdamW's update (optim.adamw_update) is the step's
     # only torch.lerp. Its names also hold "_to_copy" and "copy_", which made it a "copy" before.
     ("optimizer", ("multi_tensor", "adam", "foreach", "lerp")),

@@ -15,13 +15,12 @@ the median of steps each waited for by the host.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import sys
 
 import torch
 
-from common import DRAFTERS, add_process_options, apply_process_options, blas_library, block_kernel_settings, kernel_profile, module_settings, kernel_sources, median, synthetic_batch, timed, write_json
+from common import DRAFTERS, add_process_options, apply_process_options, blas_library, block_kernel_settings, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
@@ -67,20 +66,18 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     optim.py's split master); `+masked` every key tile of the block kernels masked
     (block_attn.WHOLE_TILES=False; the default skips the mask on the tiles every row sees whole); `+lt`
     the matmuls through cuBLASLt
-    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS);
-    `+cefused` the Triton CE's statistics and gradient in one persistent kernel (ce_kernels.FUSED; the
-    default: two kernels)."""
+    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
                        "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
-                       "lt", "cefused") or (
+                       "lt") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
                              f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+masked, +lt, +cefused, "
+                             f"+masked, +lt, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -254,7 +251,7 @@ def main() -> None:
     results = {"preset": a.preset, "scope": a.scope, "shape": p, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                **options, "modes": []}
-    from dflash_mp.model import block_attn, ce_kernels
+    from dflash_mp.model import block_attn
 
     for mode in a.modes.split(","):
         try:
@@ -266,8 +263,7 @@ def main() -> None:
                 use_tma=False if flags.get("bptr") else None,
                 heads_first=next((heads[k] for k in heads if flags.get(k)), None),
                 whole_tiles=False if flags.get("masked") else None)
-            ce = module_settings(ce_kernels, FUSED=True) if flags.get("cefused") else contextlib.nullcontext()
-            with settings, ce, blas_library("cublaslt" if flags.get("lt") else None, device):
+            with settings, blas_library("cublaslt" if flags.get("lt") else None, device):
                 r = run_mode(p, mode, device, batches, a.warmup, a.steps, a.chunk, a.scope,
                              a.sources and not results["modes"])
         except Exception as e:  # one mode failing must not lose the others' figures

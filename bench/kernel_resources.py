@@ -175,18 +175,12 @@ def _target_attention(hq: int, hkv: int, d: int) -> None:
 
 
 def _loss(vocab: int) -> None:
-    from dflash_mp.model import ce_kernels
-    from dflash_mp.model.ce_kernels import ce_stats, ce_stats_and_grad_, softmax_grad_
+    from dflash_mp.model.ce_kernels import ce_stats, softmax_grad_
 
     logits = torch.randn(4, vocab, dtype=torch.bfloat16)
     labels = torch.zeros(4, dtype=torch.long)
     _, _, lse = ce_stats(logits, labels)
     softmax_grad_(logits, labels, lse)
-    fused, ce_kernels.FUSED = ce_kernels.FUSED, True  # the one-kernel variant's, too
-    try:
-        ce_stats_and_grad_(logits, labels)
-    finally:
-        ce_kernels.FUSED = fused
 
 
 def main() -> None:

@@ -38,15 +38,9 @@ STATS_STAGES = 1  # "lanes": tiles in flight per program through shared memory (
 BLOCK_V = 4096  # logits per tile of the gradient pass: 8 KiB of bf16 per row
 GRAD_WARPS = 8  # warps per tile of the gradient pass
 GRAD_TILES = 1  # tiles per program of the gradient pass (1: one program per row and tile)
-# FUSED: both passes in one persistent kernel, a program per SM taking a row at a time, statistics then
-# gradient, so the gradient pass reads the row (304 KB at 8B shapes) back from L2: the SMs' rows in flight,
-# ~40 MB at 132 SMs, fit the 50 MB L2, where the two kernels read the whole chunk (1.2 GB) twice from
-# memory. The statistics are the lanes kernel's (STATS "lanes" or "lanes-tilemax") over FUSED_BLOCK lanes.
-FUSED = False
-FUSED_BLOCK = 8192  # lanes of the statistics pass, and logits per tile of the gradient pass
-FUSED_WARPS = 16  # one program an SM: enough warps and stages to keep its loads in flight
-FUSED_STAGES = 2
-FUSED_PROGRAMS: int | None = None  # programs (rows in flight); None: one per SM (4 in Triton's interpreter)
+# Tried and removed (afa2461, call K3, an H100): both passes in one persistent kernel, a row per SM at a
+# time, so that the gradient pass reads the row back from L2: 1.99-2.80 ms a 4096-row chunk against these
+# two kernels' 1.35 (0.46 + 0.90): one row in flight per SM does not keep the memory busy.
 
 
 def available(device: torch.device) -> bool:
@@ -86,29 +80,3 @@ def softmax_grad_(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor)
         grad_kernel[grid](logits, labels, lse, logits.stride(0), V=vocab, BLOCK=BLOCK_V, TILES=GRAD_TILES,
                           num_warps=GRAD_WARPS)
     return logits
-
-
-def ce_stats_and_grad_(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ce_stats` then `softmax_grad_`: (ce, argmax), and the logits overwritten with their gradient;
-    with FUSED in one kernel (above), equal to the two to the bit."""
-    if not FUSED:
-        ce, pred, lse = ce_stats(logits, labels)
-        softmax_grad_(logits, labels, lse)
-        return ce, pred
-    rows, vocab = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError(f"ce_stats_and_grad_ needs rows of contiguous logits, got strides {logits.stride()}")
-    if STATS not in ("lanes", "lanes-tilemax"):
-        raise ValueError(f"ce_kernels.FUSED takes the lanes statistics (STATS lanes or lanes-tilemax), not {STATS!r}")
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    ce = torch.empty_like(lse)
-    pred = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        from .ce_kernels_triton import stats_grad_kernel
-
-        programs = FUSED_PROGRAMS or (torch.cuda.get_device_properties(logits.device).multi_processor_count
-                                      if logits.device.type == "cuda" else 4)
-        stats_grad_kernel[(min(rows, programs),)](
-            logits, labels, lse, ce, pred, logits.stride(0), rows, V=vocab, BLOCK=FUSED_BLOCK, GRAD_BLOCK=FUSED_BLOCK,
-            TILE_MAX=STATS == "lanes-tilemax", STAGES=FUSED_STAGES, num_warps=FUSED_WARPS)
-    return ce, pred

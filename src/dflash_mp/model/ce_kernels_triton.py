@@ -59,9 +59,11 @@ def lanes_step(x, start, m, s, at, m_tile, TILE_MAX: tl.constexpr):
 
 
 @triton.jit
-def _lanes_row(base, V: tl.constexpr, BLOCK: tl.constexpr, TILE_MAX: tl.constexpr, STAGES: tl.constexpr):
-    """The row at `base`: each of BLOCK lanes with its own state over the row, the lanes met at the end;
-    (log-sum-exp, first index of the maximum)."""
+def stats_lanes_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.constexpr, BLOCK: tl.constexpr,
+                       TILE_MAX: tl.constexpr, STAGES: tl.constexpr):
+    """A row per program, each of BLOCK lanes with its own state over the row; lanes meet at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
     cols = tl.arange(0, BLOCK)
     # Maxima start at the lowest finite float, not -inf: `x - m` then never meets -inf - -inf
     # (NaN) on masked or all -inf lanes, with no test per logit.
@@ -87,53 +89,20 @@ def _lanes_row(base, V: tl.constexpr, BLOCK: tl.constexpr, TILE_MAX: tl.constexp
     # Each lane holds the first index of its own maximum; the smallest of those among the
     # lanes that reach the row's maximum is its first occurrence (torch.argmax's).
     pred = tl.min(tl.where(m == row_max, at + cols, V), axis=0)
-    return lse, pred
-
-
-@triton.jit
-def stats_lanes_kernel(logits, labels, lse_out, ce_out, pred_out, stride, V: tl.constexpr, BLOCK: tl.constexpr,
-                       TILE_MAX: tl.constexpr, STAGES: tl.constexpr):
-    """A row per program, each of BLOCK lanes with its own state over the row; lanes meet at the end."""
-    row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride
-    lse, pred = _lanes_row(base, V, BLOCK, TILE_MAX, STAGES)
     _store_row(base, row, labels, lse_out, ce_out, pred_out, lse, pred)
-
-
-@triton.jit
-def _grad_span(base, y, lse, first, last, ce_at, BLOCK: tl.constexpr, V: tl.constexpr, CE: tl.constexpr):
-    """Logits [first, last) of a row (cut at V) become softmax - onehot(y), in place, BLOCK at a time; with
-    CE the lane that meets the label's logit stores the row's CE at `ce_at` before it overwrites it."""
-    for start in range(first, tl.minimum(last, V), BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        keep = idx < V
-        x = tl.load(base + idx, mask=keep, other=0.0).to(tl.float32)
-        if CE:
-            tl.store(ce_at + idx * 0, lse - x, mask=keep & (idx == y))
-        g = tl.exp(x - lse) - (idx == y).to(tl.float32)
-        tl.store(base + idx, g.to(base.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def stats_grad_kernel(logits, labels, lse_out, ce_out, pred_out, stride, R, V: tl.constexpr, BLOCK: tl.constexpr,
-                      GRAD_BLOCK: tl.constexpr, TILE_MAX: tl.constexpr, STAGES: tl.constexpr):
-    """Persistent: program p takes rows p, p + P, ... (P programs), each row's statistics as
-    stats_lanes_kernel's, then its gradient in place as grad_kernel's, reading the row again while it is
-    still in L2. The row's CE comes from the gradient pass, which reads the label's logit anyway."""
-    zero = tl.program_id(0).to(tl.int64) * 0  # rows in int64 (their offsets pass 2^31 at 8B shapes)
-    for r in range(tl.program_id(0), R, tl.num_programs(0)):
-        row = zero + r
-        base = logits + row * stride
-        lse, pred = _lanes_row(base, V, BLOCK, TILE_MAX, STAGES)
-        tl.store(lse_out + row, lse)
-        tl.store(pred_out + row, pred.to(tl.int64))
-        _grad_span(base, tl.load(labels + row), lse, 0, V, ce_out + row, GRAD_BLOCK, V, True)
 
 
 @triton.jit
 def grad_kernel(logits, labels, lse_in, stride, V: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """TILES tiles of a row per program; the last program's span may run past V, its loop stops there."""
     row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    lse = tl.load(lse_in + row)
+    y = tl.load(labels + row)
     first = tl.program_id(1) * (TILES * BLOCK)
-    _grad_span(logits + row * stride, tl.load(labels + row), tl.load(lse_in + row), first, first + TILES * BLOCK,
-               lse_in, BLOCK, V, False)
+    for start in range(first, tl.minimum(first + TILES * BLOCK, V), BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        keep = idx < V
+        x = tl.load(base + idx, mask=keep, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - (idx == y).to(tl.float32)
+        tl.store(base + idx, g.to(logits.dtype.element_ty), mask=keep)

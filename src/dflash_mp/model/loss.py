@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ce_kernels import ce_stats, ce_stats_and_grad_
+from .ce_kernels import ce_stats, softmax_grad_
 
 # gamma of the slot weights exp(-(k-1)/gamma) for the block sizes the recipe knows.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -62,14 +62,12 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad:
 
 def _ce_chunk_triton(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool):
     """`_ce_chunk` with the passes over the logits in Triton (model/ce_kernels.py): one read for
-    the statistics, one read and one in-place write for the gradient (with ce_kernels.FUSED one
-    kernel, whose second read finds the row in L2)."""
+    the statistics, one read and one in-place write for the gradient."""
     logits = F.linear(h, weight)
+    ce, pred, lse = ce_stats(logits, y)
     if not need_grad:
-        ce, pred, _ = ce_stats(logits, y)
         return ce, pred, None
-    ce, pred = ce_stats_and_grad_(logits, y)
-    return ce, pred, (logits @ weight).to(h.dtype)
+    return ce, pred, (softmax_grad_(logits, y, lse) @ weight).to(h.dtype)
 
 
 LOSS_KERNELS = ("eager", "inductor", "triton")
