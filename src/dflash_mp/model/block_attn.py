@@ -52,9 +52,10 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 # dQ (128-row tiles, 8 warps, dQ over 64-key tiles in 3 stages): the backward 2.03-2.24 ms against
 # 2.38-2.65 with one block, the step's block attention 10.0 ms against 11.7; two blocks in dK/dV was
 # slower (5.5-5.9 ms: its 128 x 128 tiles of four matmuls spill), and so was dQ over 64-key tiles with one
-# block (3.0 ms). dK/dV walking a block's 64 rows in 2 or 4 parts of 32 or 16 (no spill, 238 / 210 registers
-# against 255) took 4.41-4.77 ms a step against 3.08-3.11 (call K2, an H100; removed after it). Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a
-# block), one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
+# block (3.0 ms). dK/dV walking a block's 64 rows in 2 or 4 parts of 32 or 16 (no spill, 238 / 210
+# registers against 255) took 4.41-4.77 ms a step against 3.08-3.11 (call K2, an H100; removed after it).
+# Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a block), one block runs
+# with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
 # The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,
