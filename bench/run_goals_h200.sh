@@ -26,14 +26,10 @@ cd ..
 step tests 150 python3 -m pytest -q -rfs tests/test_reductions.py tests/test_blas.py
 python3 - "$OUT" <<'EOF' | tee -a "$LOG"
 import json, os, sys
+sys.path.insert(0, "bench")
+from modes_table import load
 out = sys.argv[1]
-def load(name):
-    try:
-        with open(os.path.join(out, name)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-drafter, target, jobs = load("goals_drafter.json"), load("goals_target.json"), load("jobs.json")
+drafter, target, jobs = (load(os.path.join(out, n)) for n in ("goals_drafter.json", "goals_target.json", "jobs.json"))
 rows = []
 def qk(run):  # the q/k norm + RoPE kernels (persistent reductions whose configs Inductor picks)
     keys = ("doc_attention_mean", "cat_mean_mul_neg_pow_rsqrt_split")
