@@ -64,7 +64,8 @@ def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr, BLOCK_N: tl.co
     erow = tl.load(END + i, mask=live, other=T)
     arow = tl.load(ANCH + i, mask=live, other=0)
     lo1 = tl.load(START + i0)
-    hi1 = tl.load(END + i0)
+    end1 = tl.load(END + i0)  # the first block's span's end
+    hi1 = end1
     lo2 = hi1
     hi2 = hi1
     if NB == 2:
@@ -77,9 +78,9 @@ def _spans(START, END, ANCH, i0, i, live, A, T, NB: tl.constexpr, BLOCK_N: tl.co
         hi1 = tl.where(apart, hi1, tl.maximum(hi1, e_b))
     whole = lo1
     if WHOLE and WINDOW == 0:
-        first_end = tl.load(END + i0)
+        first_end = end1
         if NB == 2:
-            first_end = tl.where(apart, lo1, first_end)
+            first_end = tl.where(apart, lo1, end1)
         whole = lo1 + (first_end - lo1) // BLOCK_N * BLOCK_N
     return srow, erow, arow, lo1, hi1, lo2, hi2, whole
 
