@@ -119,6 +119,23 @@ def test_a_dead_pid_on_this_host_is_named_at_once():
     assert problem and problem.startswith("target rank 0") and f"died (pid {pid} is gone)" in problem
 
 
+def test_a_dead_rank_is_named_before_a_failure_that_was_its_consequence_and_a_root_failure_before_both():
+    """Drafter rank 2 is killed. Target rank 0's collective breaks first and its watcher has not named
+    rank 2 by the end of settle() (a loaded machine): it writes the broken connection as its reason,
+    marked a consequence. A survivor names the dead rank 2, not rank 0's connection error; with no dead
+    or stuck rank in sight it quotes rank 0. A rank's own failure comes before both, whatever its rank:
+    the rank that torchrun's teardown ended after it is not the cause."""
+    pid, here = exited_pid(), socket.gethostname()
+    broken = "target rank 0 failed: RuntimeError: Connection reset by peer"
+    relayed = beat(3, FAILED, reason=broken, pid=pid, host=here) | {"consequence": True}
+    problem = watcher().check({0: relayed, 1: None, 2: beat(2, pid=pid, host=here)}, 0.0, 1.0)
+    assert problem.startswith("drafter rank 2 [training") and f"died (pid {pid} is gone)" in problem, problem
+    assert watcher().check({0: relayed, 1: None, 2: beat(2)}, 0.0, 1.0) == broken
+    own = "drafter rank 2 failed: ValueError: a bad batch"
+    for first in (relayed, beat(2, pid=pid, host=here)):
+        assert watcher().check({0: first, 1: None, 2: beat(3, FAILED, reason=own)}, 0.0, 1.0) == own
+
+
 def test_a_peer_that_failed_or_finished_and_exited_after_the_read_is_quoted_not_called_dead():
     """The watcher read rank 0 training; rank 0 then wrote its failure (or DONE) and exited, so its pid
     is gone when check() looks. The watcher's verdict (`problem`) reads the beats again: it quotes rank

@@ -9,7 +9,9 @@ other rank's beat (one `multi_get`) and ends the process, naming the rank at fau
   frozen (SIGKILL, SIGSTOP, a lost node);
 * a rank has been in a bounded phase longer than its bound (loading, compiling, checkpointing,
   evaluating, starting each have one): stuck while alive;
-* a rank reported that it failed (its reason is quoted, so the root cause reaches every survivor);
+* a rank reported that it failed (its reason is quoted, so the root cause reaches every survivor).
+  A rank whose failure was a peer's end seen from its side (a closed connection, `peer_error`) marks it
+  a consequence: a dead, frozen or stuck rank, or another rank's own failure, is named before it;
 * this rank's main thread has waited on a peer for data or credit for `wait_s` counted only while
   no rank of the job was in a busy phase: a drafter compiling for minutes pauses every data wait,
   a peer that is merely slow does not.
@@ -113,6 +115,7 @@ class Liveness:
         self._trained = False  # a drafter that has finished a step in this attempt
         self._wait: dict | None = None  # {"peer", "what", "since", "quiet"}: the main thread's wait
         self._reason = ""
+        self._consequence = False  # the reason is a peer's end seen from here (failed(consequence=True))
         self._count = 0
         self._seen: dict[int, tuple[int, float, int]] = {}  # rank -> (count, when it changed, my ticks)
         self._ticks = 0
@@ -187,11 +190,13 @@ class Liveness:
         while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
             time.sleep(self.interval_s / 2)
 
-    def failed(self, reason: str) -> None:
-        """Tell every peer why this rank is about to exit (they quote it)."""
+    def failed(self, reason: str, consequence: bool = False) -> None:
+        """Tell every peer why this rank is about to exit (they quote it). `consequence`: the error was a
+        peer's end seen from here (`peer_error`) that the watcher did not trace to a rank in `settle()`;
+        a watcher then names a dead, frozen or stuck rank, or another's own failure, before quoting it."""
         self._stop.set()
         with self._lock:
-            self._phase, self._reason = FAILED, reason[:400]
+            self._phase, self._reason, self._consequence = FAILED, reason[:400], consequence
         try:
             self._beat()
         except Exception:  # noqa: BLE001 - the store may be gone with the agent
@@ -223,7 +228,7 @@ class Liveness:
             w = self._wait
             return {"n": self._count, "host": _HOST, "pid": os.getpid(), "phase": self._phase, "detail": self._detail,
                     "age": round(now - self._since, 1), "step": self._step, "trained": self._trained,
-                    "reason": self._reason,
+                    "reason": self._reason, "consequence": self._consequence,
                     "wait": None if w is None else {"peer": w["peer"], "what": w["what"],
                                                     "for": round(now - w["since"], 1)}}
 
@@ -281,9 +286,15 @@ class Liveness:
 
     def check(self, beats: dict[int, dict | None], now: float, dt: float) -> str | None:
         """The first reason to end the job seen in `beats`, or None. Pure but for the staleness
-        bookkeeping, so tests can drive it with made-up beats."""
+        bookkeeping, so tests can drive it with made-up beats. A rank's own failure comes first, whatever
+        its rank (the ranks that torchrun's teardown ends after it die as a consequence), a failure
+        marked a consequence last."""
         self._ticks += 1
         busy = False
+        relayed = None  # the first failure marked a consequence: quoted if nothing else explains the end
+        for r, b in beats.items():
+            if r != self.rank and b is not None and b["phase"] == FAILED and not b.get("consequence"):
+                return b.get("reason") or f"{self.names.get(r, f'rank {r}')} failed (see its log)"
         for r, b in beats.items():
             if r == self.rank:
                 b = self._payload()
@@ -295,7 +306,8 @@ class Liveness:
                 continue
             name = self.names.get(r, f"rank {r}")
             if b["phase"] == FAILED:  # its reason starts with its own name
-                return b.get("reason") or f"{name} failed (see its log)"
+                relayed = relayed or b.get("reason") or f"{name} failed (see its log)"
+                continue
             if b["phase"] == DONE:
                 continue
             if r != self.rank:
@@ -313,6 +325,8 @@ class Liveness:
                 if b["age"] > bound:
                     return (f"{self.describe(r, b)} is stuck: over liveness.{b['phase']}_s={bound:.0f}; "
                             f"raise it if that phase is legitimately slower")
+        if relayed is not None:
+            return relayed
         with self._lock:
             w = self._wait
             if w is not None and not busy:

@@ -135,12 +135,14 @@ def run(job: JobConfig, raw: DictConfig | None = None) -> None:
         live.done()
         stop.finished()  # a signal during the teardown has nothing left to stop: exit 0
     except Exception as e:  # noqa: BLE001 - exit now: destroy_process_group can block on a dead peer
-        if peer_error(e):
+        consequence = peer_error(e)
+        if consequence:
             # A peer's death is often seen first as a closed connection: give the watcher the
-            # time to name the rank at fault (it ends the process then).
+            # time to name the rank at fault (it ends the process then). Past it, the peers' watchers
+            # still name a dead or stuck rank before quoting this one (Liveness.check).
             live.settle()
         e = explain_oom(e, topo, job)
-        live.failed(f"{topo.name(rank)} failed: {type(e).__name__}: {e}")
+        live.failed(f"{topo.name(rank)} failed: {type(e).__name__}: {e}", consequence=consequence)
         rundir.fail(e, topo.role, rank)
     finally:
         if dist.is_initialized():
