@@ -15,6 +15,8 @@ always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-
 `-ptr` (before any `@` suffix): the Triton kernel loads key/value tiles through pointers, not tensor
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
+`-swiglu` (before `-graph`): the compiled layers' gate and up projections and the SwiGLU as one Triton
+GEMM (target/swiglu.py), e.g. `trunc-triton-compiled-swiglu-graph`.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its
@@ -125,7 +127,8 @@ def main() -> None:
                     {"triton.enable_persistent_tma_matmul": True} if tune.group(1) else {})}
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
-                                      defer_residual="-nodefer" not in v, compile_options=options)
+                                      defer_residual="-nodefer" not in v, compile_options=options,
+                                      fused_swiglu=re.search(r"-swiglu(-|@|$)", v) is not None)
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

@@ -24,6 +24,7 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
 from .graph import ForwardGraph, unsupported as graph_unsupported
+from .swiglu import gated_silu, mlp_forward
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, stage_memory_error, truncate
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,16 @@ class DeferredAdd(nn.Module):
     the same values in the same order, so the outputs are bit-identical (TargetWorker.check_compiled
     checks that at load); compiled, the norm reads the sum before its bf16 rounding, as Inductor's
     fused add and norm after attention already do (the 8B target's captured layers move by bf16
-    noise, BENCHMARKS.md)."""
+    noise, BENCHMARKS.md).
 
-    def __init__(self, layer: nn.Module):
+    `fused_swiglu`: a `gated_silu` MLP runs its gate and up projections and the SwiGLU as one Triton
+    GEMM (swiglu.py). TargetWorker sets it on its compiled layers only: check_compiled then holds the
+    kernel to the model's own MLP, run eager."""
+
+    def __init__(self, layer: nn.Module, fused_swiglu: bool = False):
         super().__init__()
         self.layer = layer
+        self.fused_swiglu = fused_swiglu and gated_silu(layer.mlp)
 
     def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
         h = residual + delta  # the previous layer's output
@@ -64,7 +70,8 @@ class DeferredAdd(nn.Module):
         a = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=attention_mask,
                             position_ids=position_ids, position_embeddings=position_embeddings)[0]
         mid = h + a
-        m = layer.mlp(layer.post_attention_layernorm(mid))
+        x = layer.post_attention_layernorm(mid)
+        m = mlp_forward(layer.mlp, x) if self.fused_swiglu else layer.mlp(x)
         return h, mid, (m[0] if isinstance(m, tuple) else m)
 
 
@@ -115,12 +122,15 @@ class TargetWorker:
 
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
+
+    `fused_swiglu`: compiled deferred layers run their MLP's gate and up projections and the SwiGLU as
+    one Triton GEMM (DeferredAdd; bench/target_forward.py's `-swiglu` variants).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
                  compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
-                 compile_options: dict | None = None):
+                 compile_options: dict | None = None, fused_swiglu: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -176,6 +186,7 @@ class TargetWorker:
         self.compile_options = {**COMPILE_OPTIONS, **(compile_options or {})}
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
         self.deferred = False  # the compiled layers are DeferredAdds
+        self.fused_swiglu = fused_swiglu
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
@@ -244,7 +255,7 @@ class TargetWorker:
 
     def _compile_layers(self) -> None:
         first, end = self.stage_layers
-        self._calls = [torch.compile(DeferredAdd(m) if self.deferred else m, dynamic=False,
+        self._calls = [torch.compile(DeferredAdd(m, self.fused_swiglu) if self.deferred else m, dynamic=False,
                                      options=self.compile_options)
                        if first <= i < end else m for i, m in enumerate(self.decoder.layers)]
 

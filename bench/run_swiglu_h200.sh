@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The target's SwiGLU with its gate and up projections in one Triton GEMM (target/swiglu.py), in one device
+# call at the 8B target's shapes:
+#   1. its CUDA tests (tests/test_swiglu.py: the kernel in bf16, a tiny target compiled through it and replayed);
+#   2. the kernel alone against cuBLAS's two GEMMs and Inductor's SwiGLU (bench/swiglu_gemm.py), over its tiles;
+#   3. the 8B target forward, the default against `-swiglu`, alternating, $RUNS times each (bench/target_forward.py).
+# From the repo root:  bash bench/run_swiglu_h200.sh   (under $OUT: run_swiglu.log, swiglu_gemm.json,
+# swiglu_target.json). Prints the forward's table last.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
+LOG=$OUT/run_swiglu.log
+mkdir -p "$OUT"
+t0=$SECONDS
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
+step tests "${T_TESTS:-120}" python3 -m pytest -q -rfs tests/test_swiglu.py
+cd bench
+step kernel "${T_KERNEL:-150}" python3 swiglu_gemm.py
+grep -A14 ", M=[0-9]* K=" "$LOG"
+variants=$(for _ in $(seq "${RUNS:-2}"); do printf "trunc-triton-compiled-graph,trunc-triton-compiled-swiglu-graph,"; done)
+step target "${T_TARGET:-240}" env OUT=/tmp/swiglu_target python3 target_forward.py --steps 10 --variants "${variants%,}"
+cp /tmp/swiglu_target/target_qwen3_8b.json "$OUT/swiglu_target.json"
+sed -n '/^target forward, T=/,$p' "$LOG" | head -12
+echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"

@@ -1,0 +1,91 @@
+"""The target's SwiGLU with its gate and up projections in one Triton GEMM (dflash_mp/target/swiglu.py),
+against what the forward runs today: two cuBLAS GEMMs and Inductor's SwiGLU kernel.
+
+At the 8B target's shapes (one packed row, M = 3072; K = 4096; N = 12288) the separate path writes the
+two projections (151 MB) and reads them back; the fused kernel writes h (75 MB) alone. It gains if its
+GEMM runs within that traffic's time of cuBLAS's. Each variant is timed back to back, alternating, and
+checked against the product in fp32 (its largest error next to the separate path's).
+
+    python swiglu_gemm.py [--rows 3072] [--hidden 4096] [--inter 12288] [--tiles 128,128,64,8,8,4,0;...]   (from bench/)
+
+Prints a table and writes swiglu_gemm.json under $OUT (or bench/results)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from common import median, sync, timed, write_json
+from dflash_mp.target.swiglu import TILES, swiglu_op
+
+CEILING = 790e12
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent): the default first, then one change each.
+VARIANTS = [TILES, (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, True), (128, 128, 64, 8, 8, 3, True),
+            (128, 128, 128, 8, 8, 2, False), (128, 64, 64, 8, 4, 5, False), (64, 128, 64, 8, 4, 5, False),
+            (256, 64, 64, 8, 8, 4, False), (128, 128, 64, 16, 8, 4, False), (128, 128, 64, 4, 8, 4, True)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=3072)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=12288)
+    ap.add_argument("--tiles", default="", help="';'-separated tile tuples (default: VARIANTS)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    M, K, N = a.rows, a.hidden, a.inter
+    variants = ([tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";")] if a.tiles else VARIANTS)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
+    wg, wu = ((torch.randn(N, K, device=dev, generator=g) / K ** 0.5).to(torch.bfloat16) for _ in range(2))
+    exact = F.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+    scale = exact.abs().max().item()
+    silu_mul = torch.compile(lambda gt, ut: F.silu(gt) * ut, options={"triton.autotune_pointwise": False})
+    w_cat = torch.cat([wg, wu])
+
+    def separate():
+        return silu_mul(F.linear(x, wg), F.linear(x, wu))
+
+    def one_gemm():
+        gu = F.linear(x, w_cat)
+        return silu_mul(gu[:, :N], gu[:, N:])
+
+    fns = {"cuBLAS gate, up + Inductor SwiGLU": separate, "cuBLAS gate|up as one GEMM + SwiGLU": one_gemm,
+           "cuBLAS gate, up alone": lambda: (F.linear(x, wg), F.linear(x, wu))}
+    for t in variants:
+        fns[f"triton {t}"] = (lambda t=t: swiglu_op(x, wg, wu, list(t)))
+    rows, err = {}, {}
+    for name, fn in list(fns.items()):
+        try:
+            out = fn()
+            sync(dev)
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit: say so, time the rest
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            del fns[name]
+            continue
+        if isinstance(out, torch.Tensor):
+            err[name] = (out.float() - exact).abs().max().item() / scale
+        timed(fn, 3, dev)
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(a.rounds):  # alternating, so a card's drift reaches every variant alike
+        for name, fn in fns.items():
+            times[name] += timed(fn, a.iters, dev)
+    flop = 2 * M * K * 2 * N
+    base = median(times["cuBLAS gate, up + Inductor SwiGLU"])
+    print(f"\n{torch.cuda.get_device_name()}, M={M} K={K} N={N}, torch {torch.__version__}")
+    print(f"{'variant':52} {'ms':>8} {'TFLOP/s':>8} {'vs separate':>11} {'max err':>9}")
+    for name, ts in times.items():
+        ms = median(ts)
+        rows[name] = {"ms": ms, "tflops": flop / ms / 1e9, "min_ms": min(ts), "max_rel_err": err.get(name)}
+        e = f"{err[name]:.2e}" if name in err else "-"
+        print(f"{name:52} {ms:8.4f} {flop / ms / 1e9:8.1f} {ms - base:+11.4f} {e:>9}")
+    write_json({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M, "K": K, "N": N,
+                "ceiling": CEILING, "rows": rows}, "swiglu_gemm.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The frozen target's SwiGLU with its gate and up projections in one Triton GEMM.
+
+A Llama-style MLP is `down(silu(x @ Wg^T) * (x @ Wu^T))`. Run as two cuBLAS GEMMs and a pointwise
+kernel, the two GEMMs write 2 x M x N bf16 elements that the SwiGLU kernel reads back to write M x N:
+at the 8B target's shapes (M = 3072 rows, N = 12288) 226 MB of traffic a layer on top of the GEMMs.
+`swiglu` computes both products tile by tile in one kernel and applies the SwiGLU to its fp32
+accumulators (swiglu_triton.py), so only h is written. The target has no backward, so nothing needs
+the projections' outputs.
+
+Numerics: the GEMMs' outputs are not rounded to bf16 before the SwiGLU (the separate kernels round
+them), so h differs from the separate path by bf16 rounding, and is the closer of the two to the
+product in exact arithmetic.
+
+The CPU path (no Triton) computes the same function in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..triton_launch import available, launch
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent) of the default tiles: two fp32
+# accumulators of BLOCK_M x BLOCK_N (a 128 x 256 tile's registers with 8 warps) over 64-wide K steps,
+# 48 KiB of shared memory a stage.
+TILES = (128, 128, 64, 8, 8, 4, False)
+
+
+def swiglu_reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
+    """silu(x @ wg^T) * (x @ wu^T) as the model's own modules compute it (two GEMMs, bf16 outputs)."""
+    return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: a few programs, to walk the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@torch.library.custom_op("dflash_mp::swiglu", mutates_args=())
+def swiglu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[int]) -> torch.Tensor:
+    """x `[M, K]`, wg and wu `[N, K]` (nn.Linear weights) -> `[M, N]`, silu(x wg^T) * (x wu^T)."""
+    bm, bn, bk, group, warps, stages, persistent = tiles
+    M, K = x.shape
+    N = wg.shape[0]
+    x, wg, wu = (t.contiguous() for t in (x, wg, wu))
+    h = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    from .swiglu_triton import swiglu_gemm
+
+    num_tiles = -(-M // bm) * -(-N // bn)
+    grid = min(num_tiles, sm_count(x.device)) if persistent else num_tiles
+    launch(swiglu_gemm, (grid,),
+           (_descriptor(x, [bm, bk]), _descriptor(wg, [bn, bk]), _descriptor(wu, [bn, bk]), _descriptor(h, [bm, bn]),
+            M, N, K),
+           dict(GRID=grid, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
+           warps, stages, x.device)
+    return h
+
+
+@swiglu_op.register_fake
+def _(x, wg, wu, tiles):
+    return x.new_empty(x.shape[0], wg.shape[0])
+
+
+def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: tuple = TILES) -> torch.Tensor:
+    """silu(x @ wg^T) * (x @ wu^T) over x's last dimension: the Triton GEMM where it can run, else the
+    reference."""
+    if not available(x.device) or x.dtype not in (torch.bfloat16, torch.float16):
+        return swiglu_reference(x, wg, wu)
+    lead = x.shape[:-1]
+    h = swiglu_op(x.reshape(-1, x.shape[-1]), wg, wu, [int(t) for t in tiles])
+    return h.view(*lead, wg.shape[0])
+
+
+def gated_silu(mlp: nn.Module) -> bool:
+    """Whether `mlp` is a Llama-style MLP `down(silu(gate(x)) * up(x))` without biases (Qwen2/3, Mistral):
+    what `mlp_forward` computes for it."""
+    parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mlp, "act_fn", None)
+    return (set(n for n, _ in mlp.named_children()) == {"gate_proj", "up_proj", "down_proj", "act_fn"}
+            and all(isinstance(p, nn.Linear) and p.bias is None for p in parts)
+            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+def mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A `gated_silu` MLP on x, its gate and up projections and the SwiGLU as one kernel (`swiglu`)."""
+    return mlp.down_proj(swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight))

@@ -1,0 +1,33 @@
+"""The Triton kernel of `swiglu.py` (imported on first use: the CPU build of torch has no Triton).
+
+`swiglu_gemm` computes h = silu(x @ Wg^T) * (x @ Wu^T) for one tile of h at a time: both products
+accumulate in fp32 side by side over the same tiles of x, and the SwiGLU is the epilogue. The gate
+and up projections' outputs are never written: the separate GEMMs write 2 x M x N elements that a
+SwiGLU kernel reads back to write M x N. Tiles come through tensor descriptors (TMA on Hopper and
+later). `GRID` programs walk the M x N tiles in strides of GRID (GRID = the number of tiles: one tile
+a program; GRID = the number of SMs: persistent programs), grouped GROUP_M tile rows at a time so
+that the weight tiles a group reads stay in L2."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def swiglu_gemm(X, WG, WU, H, M, N, K, GRID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, GRID, flatten=FLATTEN):
+        first_m = (tile // in_group) * GROUP_M
+        rows = min(num_m - first_m, GROUP_M)
+        m0 = (first_m + (tile % in_group) % rows) * BLOCK_M
+        n0 = ((tile % in_group) // rows) * BLOCK_N
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = X.load([m0, k0])
+            gate = tl.dot(x, tl.trans(WG.load([n0, k0])), gate)
+            up = tl.dot(x, tl.trans(WU.load([n0, k0])), up)
+        h = gate * tl.sigmoid(gate) * up
+        H.store([m0, n0], h.to(X.dtype))

@@ -1,0 +1,100 @@
+"""The target's SwiGLU with its gate and up projections in one Triton GEMM (target/swiglu.py): the kernel
+against the model's own MLP in Triton's interpreter (fp32: tails in every dimension, one tile a
+program and persistent programs) and on a GPU (bf16, the real tiles), and a target's compiled layers
+through it, captured as a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, Qwen3Config
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+import triton_interp
+from dflash_mp.target.swiglu import TILES, gated_silu, swiglu, swiglu_op, swiglu_reference
+
+CUDA = torch.device("cuda")
+# (M, K, N, tiles): M, N and K none a multiple of their tile; a group of tile rows past the last one.
+CASES = [(40, 48, 24, (16, 16, 16, 2, 4, 1, False)), (50, 40, 72, (16, 32, 16, 3, 4, 2, True)),
+         (64, 64, 64, (32, 32, 32, 8, 4, 2, True))]
+
+
+def llama(**kw) -> LlamaConfig:
+    return LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, **kw)
+
+
+def test_a_llama_style_mlp_is_recognised_and_nothing_else():
+    assert gated_silu(Qwen3MLP(Qwen3Config(hidden_size=16, intermediate_size=32)))
+    assert gated_silu(LlamaMLP(llama(mlp_bias=False)))
+    assert not gated_silu(LlamaMLP(llama(mlp_bias=True)))
+    assert not gated_silu(LlamaMLP(llama(hidden_act="gelu")))
+    assert not gated_silu(nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16)))
+
+
+def test_without_triton_the_reference_runs():
+    """On CPU (the CPU build of torch has no Triton) swiglu is the model's own arithmetic, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu = (torch.randn(s, generator=g) for s in ((2, 5, 16), (24, 16), (24, 16)))
+    mlp = Qwen3MLP(Qwen3Config(hidden_size=16, intermediate_size=24))
+    mlp.gate_proj.weight.data, mlp.up_proj.weight.data = wg, wu
+    want = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    assert torch.equal(swiglu(x, wg, wu), want)
+
+
+def check_kernel() -> None:
+    torch.manual_seed(0)
+    for M, K, N, tiles in CASES:
+        x, wg, wu = torch.randn(M, K), torch.randn(N, K) / 8, torch.randn(N, K) / 8
+        got, want = swiglu_op(x, wg, wu, list(tiles)), swiglu_reference(x, wg, wu)
+        assert got.shape == (M, N)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (M, K, N, tiles, err)
+
+
+@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
+def test_the_kernel_equals_the_mlp_in_the_triton_interpreter():
+    run = triton_interp.run("test_swiglu", "check_kernel()")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_kernel_is_within_bf16_rounding_of_the_mlp_on_cuda():
+    """bf16 at the default tiles, M and N not tile multiples: no farther from the product in fp32 than
+    the model's own MLP (which rounds the projections to bf16 before the SwiGLU)."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    M, K, N = 1000, 512, 1000
+    x = torch.randn(M, K, device=CUDA, generator=g).to(torch.bfloat16)
+    wg, wu = ((torch.randn(N, K, device=CUDA, generator=g) / K ** 0.5).to(torch.bfloat16) for _ in range(2))
+    exact = nn.functional.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+    scale = exact.abs().max()
+    got = float((swiglu(x, wg, wu, TILES).float() - exact).abs().max() / scale)
+    ref = float((swiglu_reference(x, wg, wu).float() - exact).abs().max() / scale)
+    assert got <= ref + 1e-3 and got < 1e-2, (got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_target_compiled_through_the_kernel_captures_what_its_own_layers_do_and_replays():
+    """A tiny Qwen3 (bf16, head_dim 128) compiled with the fused SwiGLU: its layers load-check against the
+    model's own (check_compiled), the captures stay within bf16 rounding of the unfused worker's, and
+    the forward replays as one CUDA graph."""
+    from test_target import packed
+    from test_target_varlen import tiny_qwen3
+    from dflash_mp.target import TargetWorker
+
+    model = tiny_qwen3(CUDA, torch.bfloat16, 300, head_dim=128)
+    model.config._attn_implementation = "triton"
+    rows = [packed([300, 520, 130], 1024, 96), packed([100, 400, 60, 250, 200], 1024, 96, seed=1)]
+    want = [TargetWorker(model, [1, 2, 3], CUDA, compile=True).forward(pb).hidden.clone() for pb in rows]
+    worker = TargetWorker(model, [1, 2, 3], CUDA, compile=True, cuda_graph=True, fused_swiglu=True)
+    assert worker.deferred and all(c._orig_mod.fused_swiglu for c in worker._calls[1:4])
+    assert worker.check_compiled(512) < 0.1
+    got = [worker.forward(pb).hidden.clone() for pb in rows]
+    assert worker.graph.failed is None and worker.graph.replays == 1
+    for g, w, pb in zip(got, want, rows):
+        n = pb.num_valid_tokens
+        rel = float(((g[:n] - w[:n]).float().norm(dim=-1) / w[:n].float().norm(dim=-1)).max())
+        assert rel < 2e-2, rel
