@@ -173,6 +173,30 @@ def test_a_wait_times_out_only_over_quiet_time_and_says_why_it_waited(caplog):
     assert "it is alive: target rank 0 [training" in problem
 
 
+def test_a_wait_that_runs_out_as_a_rank_freezes_names_it_frozen_a_tick_later():
+    """Drafter rank 1 has waited for a collective of every rank since before target rank 0 froze, so its
+    quiet time runs out when rank 0's beat is one interval late: one tick later the beat is two intervals
+    late and rank 0 is named dead or frozen, not as the rank furthest behind of live ones."""
+    w = watcher(wait=6.0)  # interval 1 s
+    w.phase("training")
+    with w.waiting(-1, "the stop agreement after step 5"):
+        t = time.monotonic()
+        for i in range(6):
+            assert w.check({0: beat(i, step=1), 1: None, 2: beat(i)}, t + i, 1.0) is None
+        assert w.check({0: beat(5, step=1), 1: None, 2: beat(6)}, t + 6, 1.0) is None  # quiet 7 s, 1 beat late
+        problem = w.check({0: beat(5, step=1), 1: None, 2: beat(7)}, t + 7, 1.0)
+    assert problem.startswith("target rank 0 [training") and "has not beaten for 2 s" in problem, problem
+    assert problem.endswith("waited 8 s for the stop agreement after step 5: dead or frozen"), problem
+    w = watcher(wait=6.0)  # past two intervals over the bound a late beat holds nothing up
+    w.phase("training")
+    with w.waiting(-1, "the stop agreement after step 5"):
+        t = time.monotonic()
+        for i in range(6):
+            assert w.check({0: beat(i, step=1), 1: None, 2: beat(i)}, t + i, 1.0) is None
+        problem = w.check({0: beat(5, step=1), 1: None, 2: beat(6)}, t + 6, 3.0)  # quiet 9 s, 1 beat late
+    assert "waited 9 s" in problem and "furthest behind: target rank 0" in problem, problem
+
+
 def staged_watcher(wait=6.0):
     """Drafter rank 2 of a 2-stage target (ranks 0 -> 1 -> 2)."""
     names = {0: "target rank 0 (stage 0 of 2)", 1: "target rank 1 (stage 1 of 2)", 2: "drafter rank 2"}

@@ -342,12 +342,18 @@ class Liveness:
                 peer = w["peer"]
                 # A wait that began before a peer froze runs out first: name the silent peer as the
                 # staleness rule would a moment later, not as a slow one.
-                for r in (beats if peer < 0 else [peer]):
+                waited_on = list(beats if peer < 0 else [peer])
+                for r in waited_on:
                     silent = self._silent_s(r, beats.get(r), now)
                     if silent >= 2 * self.interval_s:
                         return (f"{self.describe(r, beats[r])} has not beaten for {silent:.0f} s while "
                                 f"{self.names.get(self.rank)} waited {w['quiet']:.0f} s for {w['what']}: "
                                 f"dead or frozen")
+                # A beat one interval late is a rank that froze just now or a slow one: the next tick
+                # tells them apart (for at most two intervals past the bound).
+                if w["quiet"] <= self.wait_s + 2 * self.interval_s and any(
+                        self._silent_s(r, beats.get(r), now) >= self.interval_s for r in waited_on):
+                    return None
                 if peer < 0:  # a collective of every rank: name the ranks furthest behind
                     live = {r: b for r, b in beats.items() if b is not None and b["phase"] != DONE}
                     low = min((b["step"] for b in live.values()), default=-1)
