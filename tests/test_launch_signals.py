@@ -15,6 +15,13 @@ from e2e_utils import SMALL
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _terminal_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults and not blocked."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl_c_at_the_console", "sigterm_to_the_launcher"])
 def test_the_launcher_stops_with_a_checkpoint_and_exit_code_zero(tmp_path, how):
@@ -23,9 +30,11 @@ def test_the_launcher_stops_with_a_checkpoint_and_exit_code_zero(tmp_path, how):
            "train.max_steps=400", "logging.log_every=2", "checkpoint.every=0", "topology.num_target_ranks=1"]
     env = {**os.environ, "NPROC": "3", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    # A session of its own, as a terminal gives a job: Ctrl-C reaches its whole foreground group.
+    # A session of its own, as a terminal gives a job: Ctrl-C reaches its whole foreground group. The
+    # signals as a terminal's job has them, whatever this process inherited: a shell started with SIGINT
+    # ignored cannot trap it (as `cmd &` in a script has it), and the job would then run to its end.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_terminal_signals)
     scal = run_dir / "tb" / "drafter" / "scalars.jsonl"
     deadline = time.time() + 180
     while not (scal.exists() and scal.stat().st_size > 0):
