@@ -23,8 +23,7 @@ from dflash_mp.target.swiglu import TILES, swiglu_op
 CEILING = 790e12
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent): the default first, then one change each.
 VARIANTS = [TILES, (128, 128, 64, 8, 8, 3, False), (128, 128, 64, 8, 8, 4, True), (128, 128, 64, 8, 8, 3, True),
-            (128, 128, 128, 8, 8, 2, False), (128, 64, 64, 8, 4, 5, False), (64, 128, 64, 8, 4, 5, False),
-            (256, 64, 64, 8, 8, 4, False), (128, 128, 64, 16, 8, 4, False), (128, 128, 64, 4, 8, 4, True)]
+            (128, 64, 64, 8, 4, 5, False), (256, 64, 64, 8, 8, 4, False)]
 
 
 def main() -> None:
