@@ -113,7 +113,7 @@ def compile_all(arch: int = 90) -> list[dict]:
     driver.set_active(_CompileOnly(arch))
     JITFunction.__getitem__ = compile_launch
     try:
-        for name, fn in _cases():
+        for name, fn in _cases(arch):
             case["name"] = name
             fn()
     finally:
@@ -125,7 +125,7 @@ def compile_all(arch: int = 90) -> list[dict]:
     return rows
 
 
-def _cases():
+def _cases(arch: int):
     from dflash_mp.model import block_attn
     from dflash_mp.target import doc_attn
 
@@ -141,6 +141,8 @@ def _cases():
                    _with_tma(doc_attn, tma, lambda: _target_attention(hq, hkv, d)))
     for name, vocab in VOCABS:
         yield f"loss {name}", lambda vocab=vocab: _loss(vocab)
+    if arch >= 90:  # tensor descriptors only: it runs on GPUs with TMA (swiglu.fused_runs)
+        yield "target swiglu", _swiglu
 
 
 def _with_tma(module, tma: bool, fn) -> None:
@@ -172,6 +174,15 @@ def _target_attention(hq: int, hkv: int, d: int) -> None:
     T = 256
     q, k, v = (torch.randn(T, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     doc_attention(q, k, v, doc_rows(torch.cat([torch.zeros(100), torch.ones(T - 100)]).long(), d))
+
+
+def _swiglu() -> None:
+    """The target's gate/up GEMM with its SwiGLU epilogue, at its default tiles (the sizes are runtime
+    arguments: any will do)."""
+    from dflash_mp.target.swiglu import TILES, swiglu_op
+
+    x, w = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
+    swiglu_op(x, w, w, list(TILES))
 
 
 def _loss(vocab: int) -> None:

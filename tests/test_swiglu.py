@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 import triton_interp
-from dflash_mp.target.swiglu import TILES, gated_silu, swiglu, swiglu_op, swiglu_reference
+from dflash_mp.target.swiglu import TILES, fused_runs, gated_silu, swiglu, swiglu_op, swiglu_reference
 
 CUDA = torch.device("cuda")
 # (M, K, N, tiles): M, N and K none a multiple of their tile; a group of tile rows past the last one.
@@ -40,10 +40,14 @@ def test_without_triton_the_reference_runs():
     mlp = Qwen3MLP(Qwen3Config(hidden_size=16, intermediate_size=24))
     mlp.gate_proj.weight.data, mlp.up_proj.weight.data = wg, wu
     want = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    assert not fused_runs(x.bfloat16())
     assert torch.equal(swiglu(x, wg, wu), want)
 
 
 def check_kernel() -> None:
+    # Where the fused kernel runs (here: Triton's interpreter): bf16/fp16 rows of 16-byte multiples.
+    assert fused_runs(torch.zeros(2, 16, dtype=torch.bfloat16)) and fused_runs(torch.zeros(2, 8, dtype=torch.float16))
+    assert not fused_runs(torch.zeros(2, 12, dtype=torch.bfloat16)) and not fused_runs(torch.zeros(2, 16))
     torch.manual_seed(0)
     for M, K, N, tiles in CASES:
         x, wg, wu = torch.randn(M, K), torch.randn(N, K) / 8, torch.randn(N, K) / 8

@@ -20,12 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..triton_launch import available, launch
+from ..triton_launch import available, has_tma, launch, shared_memory
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent) of the default tiles: two fp32
 # accumulators of BLOCK_M x BLOCK_N (a 128 x 256 tile's registers with 8 warps) over 64-wide K steps,
 # 48 KiB of shared memory a stage.
 TILES = (128, 128, 64, 8, 8, 4, False)
+# The shared memory a block asks for with TILES on sm_90, rounded up: 229,440 B (bench/kernel_resources.py;
+# the epilogue's two fp32 accumulators go through shared memory, so fewer stages ask for the same).
+SHARED_BYTES = 225 * 1024
 
 
 def swiglu_reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
@@ -70,10 +73,22 @@ def _(x, wg, wu, tiles):
     return x.new_empty(x.shape[0], wg.shape[0])
 
 
+def fused_runs(x: torch.Tensor) -> bool:
+    """Whether the Triton GEMM runs for inputs like `x`: bf16 or fp16 rows of a multiple of 8 elements
+    (16-byte tensor-descriptor strides), on a GPU with TMA and the shared memory for TILES (sm_90 and
+    sm_100), or in Triton's interpreter."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or not available(x.device):
+        return False
+    if x.device.type != "cuda":
+        return True
+    have = shared_memory(x.device)
+    return has_tma(x.device) and (have is None or have >= SHARED_BYTES)
+
+
 def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: tuple = TILES) -> torch.Tensor:
-    """silu(x @ wg^T) * (x @ wu^T) over x's last dimension: the Triton GEMM where it can run, else the
-    reference."""
-    if not available(x.device) or x.dtype not in (torch.bfloat16, torch.float16):
+    """silu(x @ wg^T) * (x @ wu^T) over x's last dimension: the Triton GEMM where it can run
+    (`fused_runs`), else the reference."""
+    if not fused_runs(x):
         return swiglu_reference(x, wg, wu)
     lead = x.shape[:-1]
     h = swiglu_op(x.reshape(-1, x.shape[-1]), wg, wu, [int(t) for t in tiles])
