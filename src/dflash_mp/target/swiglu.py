@@ -8,8 +8,8 @@ accumulators (swiglu_triton.py), so only h is written. The target has no backwar
 the projections' outputs.
 
 Numerics: the GEMMs' outputs are not rounded to bf16 before the SwiGLU (the separate kernels round
-them), so h differs from the separate path by bf16 rounding, and is the closer of the two to the
-product in exact arithmetic.
+them), so h differs from the separate path by bf16 rounding; its CUDA test holds it no farther from the
+product in fp32 than the separate path.
 
 The CPU path (no Triton) computes the same function in plain PyTorch.
 """
@@ -63,7 +63,7 @@ def swiglu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[i
     launch(swiglu_gemm, (grid,),
            (_descriptor(x, [bm, bk]), _descriptor(wg, [bn, bk]), _descriptor(wu, [bn, bk]), _descriptor(h, [bm, bn]),
             M, N, K),
-           dict(GRID=grid, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
            warps, stages, x.device)
     return h
 

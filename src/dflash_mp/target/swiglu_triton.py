@@ -4,21 +4,21 @@
 accumulate in fp32 side by side over the same tiles of x, and the SwiGLU is the epilogue. The gate
 and up projections' outputs are never written: the separate GEMMs write 2 x M x N elements that a
 SwiGLU kernel reads back to write M x N. Tiles come through tensor descriptors (TMA on Hopper and
-later). `GRID` programs walk the M x N tiles in strides of GRID (GRID = the number of tiles: one tile
-a program; GRID = the number of SMs: persistent programs), grouped GROUP_M tile rows at a time so
-that the weight tiles a group reads stay in L2."""
+later). The programs walk the M x N tiles in strides of their number (as many as tiles: one tile a
+program; as many as SMs: persistent programs), grouped GROUP_M tile rows at a time so that the weight
+tiles a group reads stay in L2."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def swiglu_gemm(X, WG, WU, H, M, N, K, GRID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def swiglu_gemm(X, WG, WU, H, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, GRID, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         first_m = (tile // in_group) * GROUP_M
         rows = min(num_m - first_m, GROUP_M)
         m0 = (first_m + (tile % in_group) % rows) * BLOCK_M
