@@ -294,7 +294,7 @@ class Liveness:
         relayed = None  # the first failure marked a consequence: quoted if nothing else explains the end
         for r, b in beats.items():
             if r != self.rank and b is not None and b["phase"] == FAILED and not b.get("consequence"):
-                return b.get("reason") or f"{self.names.get(r, f'rank {r}')} failed (see its log)"
+                return self._failure(r, b)
         for r, b in beats.items():
             if r == self.rank:
                 b = self._payload()
@@ -304,9 +304,8 @@ class Liveness:
                     return f"{self.names.get(r, f'rank {r}')} never started its heartbeat in {now - seen[1]:.0f} s"
                 busy = True
                 continue
-            name = self.names.get(r, f"rank {r}")
-            if b["phase"] == FAILED:  # its reason starts with its own name
-                relayed = relayed or b.get("reason") or f"{name} failed (see its log)"
+            if b["phase"] == FAILED:
+                relayed = relayed or self._failure(r, b)
                 continue
             if b["phase"] == DONE:
                 continue
@@ -342,17 +341,15 @@ class Liveness:
                 peer = w["peer"]
                 # A wait that began before a peer froze runs out first: name the silent peer as the
                 # staleness rule would a moment later, not as a slow one.
-                waited_on = list(beats if peer < 0 else [peer])
-                for r in waited_on:
-                    silent = self._silent_s(r, beats.get(r), now)
+                silences = {r: self._silent_s(r, beats.get(r), now) for r in (beats if peer < 0 else [peer])}
+                for r, silent in silences.items():
                     if silent >= 2 * self.interval_s:
                         return (f"{self.describe(r, beats[r])} has not beaten for {silent:.0f} s while "
                                 f"{self.names.get(self.rank)} waited {w['quiet']:.0f} s for {w['what']}: "
                                 f"dead or frozen")
                 # A beat one interval late is a rank that froze just now or a slow one: the next tick
                 # tells them apart (for at most two intervals past the bound).
-                if w["quiet"] <= self.wait_s + 2 * self.interval_s and any(
-                        self._silent_s(r, beats.get(r), now) >= self.interval_s for r in waited_on):
+                if w["quiet"] <= self.wait_s + 2 * self.interval_s and max(silences.values()) >= self.interval_s:
                     return None
                 if peer < 0:  # a collective of every rank: name the ranks furthest behind
                     live = {r: b for r, b in beats.items() if b is not None and b["phase"] != DONE}
@@ -380,6 +377,10 @@ class Liveness:
                 via = "".join(f"; {c}" for c in chain)
                 return f"{head}{via}; it is alive: {state} (transport.timeout_s={self.wait_s:.0f})"
         return None
+
+    def _failure(self, r: int, b: dict) -> str:
+        """A FAILED beat's reason (it starts with the rank's own name)."""
+        return b.get("reason") or f"{self.names.get(r, f'rank {r}')} failed (see its log)"
 
     def _silent_s(self, r: int, b: dict | None, now: float) -> float:
         """Seconds since rank `r`'s beat last moved, as this watcher saw it (0: moving or unknown)."""

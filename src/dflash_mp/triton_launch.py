@@ -82,9 +82,14 @@ def key_value_tiles(flag: bool | None, k: torch.Tensor, v: torch.Tensor, block_n
 def head_descriptor(x: torch.Tensor, block_n: int):
     """A tensor descriptor over `x` `[T, H, D]` whose box is `block_n` rows of one head (a kernel loads
     it as `tl.reshape(desc.load([n0, h, 0]), [block_n, D])`; rows past T come back as zeros)."""
+    return descriptor(x, [block_n, 1, x.shape[2]])
+
+
+def descriptor(x: torch.Tensor, block: list[int]):
+    """A tensor descriptor over all of `x` whose box is `block` (out-of-range rows load as zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, 1, x.shape[2]])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block)
 
 
 def input_precision(x: torch.Tensor) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..triton_launch import available, has_tma, launch, shared_memory
+from ..triton_launch import available, descriptor, has_tma, launch, shared_memory
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent) of the default tiles: two fp32
 # accumulators of BLOCK_M x BLOCK_N (a 128 x 256 tile's registers with 8 warps) over 64-wide K steps,
@@ -34,12 +34,6 @@ SHARED_BYTES = 225 * 1024
 def swiglu_reference(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
     """silu(x @ wg^T) * (x @ wu^T) as the model's own modules compute it (two GEMMs, bf16 outputs)."""
     return F.silu(F.linear(x, wg)) * F.linear(x, wu)
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def sm_count(device: torch.device) -> int:
@@ -61,7 +55,7 @@ def swiglu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[i
     num_tiles = -(-M // bm) * -(-N // bn)
     grid = min(num_tiles, sm_count(x.device)) if persistent else num_tiles
     launch(swiglu_gemm, (grid,),
-           (_descriptor(x, [bm, bk]), _descriptor(wg, [bn, bk]), _descriptor(wu, [bn, bk]), _descriptor(h, [bm, bn]),
+           (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]), descriptor(h, [bm, bn]),
             M, N, K),
            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
            warps, stages, x.device)
