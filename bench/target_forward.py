@@ -41,8 +41,8 @@ import torch
 from common import QWEN3_8B_TARGET, add_process_options, apply_process_options, blas_library, kernel_profile, median, synthetic_batch, timed, write_json
 from dflash_mp.batch import PackedBatch
 from dflash_mp.compile_stats import counts
-from dflash_mp.flops import causal_pairs_packed, target_forward_flops
-from dflash_mp.target import TargetSpec, TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
+from dflash_mp.flops import causal_pairs_packed, target_layers_flops
+from dflash_mp.target import TargetWorker, doc_attn, default_layer_ids, doc_causal_block_mask, truncate
 
 PEAK = 790e12
 
@@ -80,7 +80,7 @@ def main() -> None:
     pairs = causal_pairs_packed(lens)
 
     def flops(layers: int, head: bool) -> float:
-        f = target_forward_flops(TargetSpec.from_config(c), layers, a.seq_len, pairs)
+        f = target_layers_flops(c, range(layers), a.seq_len, pairs)
         return f + (2 * a.seq_len * c["hidden_size"] * c["vocab_size"] if head else 0)
 
     res = {"seq_len": a.seq_len, "doc_lengths": lens, "layer_ids": layer_ids, "torch": torch.__version__,

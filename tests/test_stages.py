@@ -70,19 +70,6 @@ def test_costs_follow_the_layer_type_not_the_count():
     assert first[1] - first[0] > second[1] - second[0]
 
 
-def test_per_layer_flops_of_a_dense_target_are_the_dense_formula():
-    """The planner and the target's MFU count layer by layer; for a dense full-attention target that is
-    exactly the whole-target formula (Qwen3-8B shapes)."""
-    from dflash_mp.flops import target_forward_flops, target_layers_flops
-    from dflash_mp.target import TargetSpec
-
-    cfg = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               intermediate_size=12288, num_hidden_layers=36, vocab_size=151936)
-    for layers, tokens, pairs in ((34, 3072, 1.6e6), (17, 1024, 5e5)):
-        assert target_layers_flops(cfg, range(layers), tokens, pairs) == pytest.approx(
-            target_forward_flops(TargetSpec.from_config(cfg), layers, tokens, pairs), rel=1e-12)
-
-
 def test_impossible_stage_counts_name_the_fix():
     cfg = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=6)
     with pytest.raises(ValueError, match=r"target.stages=5, but the target runs only 4 layers .* at most 4"):

@@ -53,15 +53,6 @@ def drafter_attention_flops(s: DrafterShape, visible_pairs: float) -> float:
     return float(3 * 4 * s.num_heads * s.head_dim * visible_pairs)
 
 
-def target_forward_flops(spec, num_layers: int, tokens: int, causal_pairs: float) -> float:
-    """Forward FLOPs of the first `num_layers` decoder layers of a target of shape `spec` (a
-    `target.TargetSpec`) over `tokens` (no LM head)."""
-    hidden, heads, head_dim = spec.hidden_size, spec.num_heads, spec.head_dim
-    q, kv = heads * head_dim, spec.num_kv_heads * head_dim
-    per_token = 2 * hidden * (q + 2 * kv) + 2 * q * hidden + 2 * 3 * hidden * spec.intermediate_size
-    return float(num_layers * (tokens * per_token + 4 * heads * head_dim * causal_pairs))
-
-
 def causal_pairs_packed(doc_lengths: list[int]) -> float:
     """Visible pairs of a block-diagonal causal mask over documents of the given lengths."""
     return float(sum(n * (n + 1) // 2 for n in doc_lengths))
