@@ -49,6 +49,15 @@ def test_report_and_eval_json(export, capsys):
     assert 1.0 <= live["tau"] <= 8.0 and live["speedup_device"] == "cpu" and live["speedup_note"]
 
 
+@pytest.mark.parametrize("setting", ["target.reduction_configs", "target.cublas_workspace"])
+def test_the_target_s_process_settings_are_applied_as_in_a_run(export, setting):
+    """The evaluator's process takes the job's target settings before its first GEMM and compile, as a
+    run's target does: a bad value is refused, named."""
+    path, cache = export
+    with pytest.raises(ValueError, match=rf"{setting}='fastest': use "):
+        main([f"checkpoint={path}", cache, *DATA, *EVAL, f"{setting}=fastest"])
+
+
 def test_walk_decode_path_lays_blocks_like_decoding():
     # Two replies of doc 0 (positions 1-5 and 8-10), then doc 1 right after (11-14) with no gap.
     doc_ids = torch.tensor([0] * 11 + [1] * 4 + [-1])

@@ -86,6 +86,17 @@ def test_overrides_split_between_tool_and_job():
         main(["data.path=builtin:demo"])
 
 
+@pytest.mark.parametrize("setting", ["target.reduction_configs", "target.cublas_workspace"])
+def test_the_target_s_process_settings_are_applied_as_in_a_run(data, tmp_path, setting):
+    """Regeneration's process takes the job's target settings before its first GEMM and compile, as a
+    run's target does: a bad value is refused, named, before the model loads."""
+    _, path = data
+    with pytest.raises(ValueError, match=rf"{setting}='fastest': use "):
+        main([f"data.path={path}", f"out={tmp_path / 'o.jsonl'}", f"target.cache_dir={tmp_path / 'c'}",
+              f"{setting}=fastest"])
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_length_sorted_batches_write_what_one_by_one_greedy_writes(tmp_path, capsys, monkeypatch):
     from dflash_mp.regenerate import Regenerator
 

@@ -244,6 +244,7 @@ def live(target, drafter, prompts: list[list[int]], stop_ids: list[int], cfg: Ev
 def evaluate(job, cfg: EvalConfig) -> dict:
     from transformers import AutoTokenizer
 
+    from . import process_options
     from .export import check_export_dir, exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
@@ -256,6 +257,8 @@ def evaluate(job, cfg: EvalConfig) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(job.target.dtype, device)
     job = resolve(job)
+    # One process runs both models: the target's settings, as its forwards are most of the work.
+    process_options.apply(job.target, device, "target")
     target_path = job.target.path
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     target_config = load_target_config(target_path)

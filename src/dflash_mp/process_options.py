@@ -1,7 +1,8 @@
 """What a role's process sets before its first GEMM and its first compile, read from the role's config
 section (`target` or `train`, or a bench's arguments of the same names): cuBLAS's workspace
 (`cublas_workspace`, blas.py) and how Inductor picks the reduction kernels' configs (`reduction_configs`,
-reductions.py). The target's and drafter's runs, the dump and the benches all start with `apply`."""
+reductions.py). The target's and drafter's runs, the dump, regeneration, evaluation and the benches all
+start with `apply`."""
 
 from __future__ import annotations
 

@@ -326,6 +326,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     """Regenerate `job.data` into `cfg.out`; returns counters (written, skipped_done, bad/<reason>)."""
     from transformers import AutoTokenizer
 
+    from . import process_options
     from .data.chat import BadRow, ChatEncoder, load_conversations
     from .runtime import pick_device, resolve
     from .target import load_causal_lm, resolve_dtype
@@ -338,6 +339,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
     check_cache(cfg.cache)  # before the model loads (minutes for a large target)
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun, one GPU per process
     job = resolve(job)
+    process_options.apply(job.target, device, "target")  # as a run's target: before the first GEMM and compile
     path = job.target.path
     tok = AutoTokenizer.from_pretrained(path)
     model = load_causal_lm(path, device, resolve_dtype(job.target.dtype, device))  # builtin targets too
