@@ -25,7 +25,8 @@ def test_each_layer_s_projections_are_the_matmuls_the_model_runs(name):
     gated attention's q_proj twice as wide), the MLP, Gated DeltaNet's projections; in a MoE layer the
     router, the experts each token is routed to and the shared expert with its gate. The experts run
     one by one (`experts_implementation="eager"`): torch's counter sees no FLOPs in the grouped matmul
-    transformers runs them with by default."""
+    transformers runs them with by default. A full-attention layer's attention term, at the T * T pairs
+    eager attention scores, equals its batched matmuls (QK^T and PV)."""
     cfg = hf_config(ARCHS[name], vocab_size=96)
     torch.manual_seed(0)
     try:
@@ -46,6 +47,9 @@ def test_each_layer_s_projections_are_the_matmuls_the_model_runs(name):
             want -= T * 4 * config["linear_num_value_heads"] * config["linear_key_head_dim"] * \
                 config["linear_value_head_dim"]
         assert matmuls == want, (name, i, kind, matmuls, want)
+        if kind == "full_attention":  # eager attention scores every (query, key) pair: T * T of them
+            scores = sum(v for op, v in layer.items() if str(op).split(".")[1] == "bmm")
+            assert scores == layer_forward_flops(config, i, T, float(T * T)) - want, (name, i, scores)
 
 
 def test_the_planner_knows_qwen3_5_as_the_hybrid_it_is():
