@@ -248,13 +248,13 @@ def evaluate(job, cfg: EvalConfig) -> dict:
     from .export import check_export_dir, exported_chat_template_kwargs, load_exported
     from .regenerate import stop_token_ids
     from .speculative import Drafter
-    from .runtime import resolve
+    from .runtime import pick_device, resolve
     from .target import load_causal_lm, load_target_config, resolve_dtype
 
     if not cfg.checkpoint:
         raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
     check_export_dir(cfg.checkpoint)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # as regenerate: one GPU per process
     dtype = resolve_dtype(job.target.dtype, device)
     job = resolve(job)
     # One process runs both models: the target's settings, as its forwards are most of the work.
