@@ -83,3 +83,22 @@ def test_rows_per_forward_is_refused_below_one_and_with_a_staged_target(tmp_path
     with pytest.raises(ValueError, match=r"target.rows_per_forward=\d with target.stages=\d: use 1 or more"):
         prepare(compose([f"target.cache_dir={tmp_path}", *overrides]))
     prepare(compose([f"target.cache_dir={tmp_path}", "target.rows_per_forward=2"]))  # one stage: taken
+
+
+def test_each_process_of_a_node_takes_the_gpu_its_local_rank_names(monkeypatch):
+    """pick_device: GPU LOCAL_RANK mod the GPU count, made current (the tools pass nothing and get the
+    same as a run's ranks); the CPU where CUDA is absent. The GPU count is stood in for on CPU."""
+    import torch
+    from dflash_mp.runtime import pick_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    assert pick_device() == torch.device("cuda", 2) and made_current == [torch.device("cuda", 2)]
+    assert pick_device(1) == torch.device("cuda", 1)  # an explicit local rank wins over the environment
+    monkeypatch.delenv("LOCAL_RANK")
+    assert pick_device() == torch.device("cuda", 0)  # outside torchrun
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device() == torch.device("cpu") and len(made_current) == 3

@@ -100,7 +100,7 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
     """Dump this rank's shard; rank 0 returns the manifest (others None)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging(rank, "T")
-    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = pick_device()  # under torchrun, one GPU per process
     res = prepare(job, device)
     target_path, tokenizer, tcfg, layer_ids, mask_id, dtype = (res.target_path, res.tokenizer, res.target_config,
                                                                res.layer_ids, res.mask_token_id, res.dtype)

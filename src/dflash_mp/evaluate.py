@@ -254,7 +254,7 @@ def evaluate(job, cfg: EvalConfig) -> dict:
     if not cfg.checkpoint:
         raise ValueError("checkpoint= is missing; pass an export directory, e.g. checkpoint=outputs/default/export")
     check_export_dir(cfg.checkpoint)
-    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # as regenerate: one GPU per process
+    device = pick_device()  # under torchrun, one GPU per process
     dtype = resolve_dtype(job.target.dtype, device)
     job = resolve(job)
     # One process runs both models: the target's settings, as its forwards are most of the work.

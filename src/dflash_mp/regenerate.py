@@ -337,7 +337,7 @@ def regenerate_file(job, cfg: RegenConfig) -> Counter:
         raise ValueError(f"batch_size={cfg.batch_size}, max_new_tokens={cfg.max_new_tokens}, sort_window="
                          f"{cfg.sort_window}, prompt_bucket={cfg.prompt_bucket}: all must be >= 1")
     check_cache(cfg.cache)  # before the model loads (minutes for a large target)
-    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))  # under torchrun, one GPU per process
+    device = pick_device()  # under torchrun, one GPU per process
     job = resolve(job)
     process_options.apply(job.target, device, "target")  # as a run's target: before the first GEMM and compile
     path = job.target.path

@@ -35,7 +35,11 @@ def setup_logging(rank: int, role: str, run_dir: str | None = None) -> None:
     rundir.buffer_rank_log(rank, {"T": "target", "D": "drafter"}.get(role, role), fmt, run_dir)
 
 
-def pick_device(local_rank: int) -> torch.device:
+def pick_device(local_rank: int | None = None) -> torch.device:
+    """This process's device, made current: GPU `local_rank` mod the GPU count (by default LOCAL_RANK,
+    0 outside torchrun, so each process of a node takes its own); the CPU where there is no GPU."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
