@@ -5,7 +5,6 @@ which agree on a stop step; torchrun signalled itself would tear them down and e
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest

@@ -28,6 +28,7 @@ def resolve_num_target_ranks(job, world: int) -> int:
     spec = TargetSpec.from_config(tcfg)
     return split.resolve_num_target_ranks(job, world, tcfg, spec, *planned_ids(job, tcfg, spec))
 
+
 T, D = 10.4, 7.8  # samples/s per GPU: target, drafter
 
 

@@ -239,7 +239,6 @@ class StopSignal:
         _flush()
         os._exit(1)
 
-
     def _second_interrupt(self) -> None:
         while signal.SIGINT not in os.read(self._rfd, 64):
             pass

@@ -284,7 +284,6 @@ class TargetRun(_RoleRun):
                  "".join(f", {k}={v}" for k, v in sorted(self.skipped.items())))
 
 
-
 def run_target(ctx: RunContext) -> None:
     process_options.apply(ctx.job.target, ctx.device, "target")  # before any GEMM and compile
     with contextlib.closing(TargetRun(ctx)) as run:
@@ -483,7 +482,6 @@ class DrafterRun(_RoleRun):
                        state=self.trainer.master_state_dict(), run_id=self.ctx.run_id,
                        chat_template_kwargs=job.data.chat_template_kwargs)
         log.info("exported drafter to %s", out)
-
 
 
 def run_drafter(ctx: RunContext) -> None:

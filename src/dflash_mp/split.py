@@ -24,6 +24,7 @@ from .trainer import build_drafter_args
 
 log = logging.getLogger(__name__)
 
+
 # ------------------------------------------------------------------------------------- FLOP model
 @dataclass(frozen=True)
 class Workload:

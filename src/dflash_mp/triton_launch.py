@@ -13,6 +13,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+
 def available(device: torch.device) -> bool:
     """Whether Triton kernels can run on `device` (CUDA with Triton, or Triton's CPU interpreter)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -186,4 +186,3 @@ def block_metrics(correct: torch.Tensor, label_mask: torch.Tensor) -> dict[str, 
     metrics = {f"acc_slot_{k}": acc[k - 1] for k in range(1, correct.shape[1])}
     metrics["tau_sim"] = tau
     return metrics
-

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from ..block_mask import build_block_mask
+from ..block_mask import build_block_mask
 from ..triton_launch import available as triton_available
 from .doc_attn import ATTN_NAME
 

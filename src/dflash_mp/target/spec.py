@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass
 class TargetConfig:
     path: str = "builtin:tiny-qwen3"  # HF hub id or local dir; builtin:* = built locally (dflash_mp.builtin)

@@ -243,4 +243,3 @@ class P2PRecvChannel(RecvChannel):
     def close(self) -> None:
         self._works.clear()
         self._slots, self._acks = [], []
-
