@@ -4,10 +4,10 @@
 PyTorch hands cuBLAS a workspace, sized at the process's first GEMM from the environment variables
 CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE. With one, cuBLAS runs five of the 8B target's seven
 GEMMs a layer (q, k, v, o, down over 3072 rows) as kernels that first zero part of it: 170 memsets a
-forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset:
-0.5-0.6 ms less a forward on two H100s (BENCHMARKS.md, calls G4 and G5). The 8B drafter's step had 106
-such memsets: without a workspace the step takes 0.7 ms less on H100s (calls H2 and H4, eight processes),
-its losses and gradient norms equal to the bit; the 27B preset's drafter step ran 0.56 ms faster (H11).
+forward, each after an idle gap. Without one it picks other kernels of the same tiles and no memset, and
+the forward is faster (BENCHMARKS.md, calls G4 and G5). The 8B drafter's step had 106 such memsets:
+without a workspace the step is faster too (calls H2, H4 and, for the 27B preset's drafter, H11), its
+losses and gradient norms equal to the bit.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ With bf16 working weights the master is kept split (`split_master`, the default)
 the upper 16 bits of an fp32 one, so `work` holds the master's upper half, rounded to nearest, and
 `low` (int16) the signed rest, `master = (work << 16) + low` bit for bit. The update reads and
 writes 2 + 2 bytes of master and working weight instead of 4 + 4 + 2: 26 bytes a parameter instead
-of 28, and 2 bytes less memory (the 8B drafter's pass 9.1 against 9.8 ms on an H100, its peak 14.7
-against 16.7 GiB; BENCHMARKS.md). The only difference from a separate fp32 master is how an exact tie
+of 28, and 2 bytes less memory a parameter (BENCHMARKS.md, calls F1-F4). The only difference from a separate fp32 master is how an exact tie
 rounds: half away from zero (the split needs it: `low` then fits 16 bits) instead of half to even,
 where the lower 16 bits are 0x8000 (1 value in 65,536 of random bits).
 
@@ -25,7 +24,7 @@ into it.
 - Direct (one replica, the default there): the update reads the `.grad` tensors themselves, one
   per-parameter view of each buffer beside each, and then drops them (kept alive until the side
   stream's update that reads them has run). No flat gradient buffer exists: no copy per step
-  (1.4 ms of the 8B drafter's step on an H200) and ~2 GB less memory at 8B.
+  (~2 GB read and written at 8B) and ~2 GB less memory.
 - Flat (data parallel, `overlap_reduce`, CUDA graphs): a `grad` buffer (compute dtype) that the
   all-reduce sums over the group as one collective, outside any compiled region. `collect()`
   writes the `.grad` tensors into it on the first backward after a step and adds them on later
@@ -146,8 +145,8 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def global_norm_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`global_norm` as sums of squares, the form the optimizer compiles: Inductor reduces each tensor
-    in its own kernels at memory speed, where `_foreach_norm` runs ~50 launches of fixed-size chunks
-    (0.9 ms for the 8B drafter's 1.05 G gradients on the H200, 0.54 of the copy ceiling)."""
+    in its own kernels at memory speed, where `_foreach_norm` runs ~50 launches of fixed-size chunks,
+    which reached about half the copy ceiling on the H200."""
     return torch.stack([t.float().square().sum() for t in tensors]).sum().sqrt()
 
 

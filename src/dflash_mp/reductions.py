@@ -5,18 +5,16 @@ Inductor generates several configs for a reduction kernel (rows per program, war
 times them on the GPU the first time the kernel runs, keeping the fastest for good: the pick is saved
 with the compiled graph and every later process that loads the graph inherits it. For the kernels that
 normalise the queries and keys per head and apply RoPE (rows of 128), the timings do not separate the
-configs reliably, and the pick varies between processes compiling the same code: the 8B target's two such
-kernels took 0.81-1.36 ms a forward across compiles and 2.35 after a job's target compiled them (the job's
-restarts load its graphs); the 8B drafter's took 0.29-0.43 ms a step, 0.86-0.90 after some compiles
-(BENCHMARKS.md, calls I1 and I2, H100s).
+configs reliably, and the pick varies between processes compiling the same code: the same kernels of the
+8B target and drafter ran up to three times as long after some compiles as after others, and a job's
+restarts load its graphs, slow picks included (BENCHMARKS.md, calls I1 and I2).
 
 `heuristic` (the default on CUDA) has Inductor pick one config per reduction from the kernel's shape,
 without timing (its `force_filter_reduction_configs`: drop configs it knows run badly, then take the
 second largest block, warp count and rows per program): every compile gets the same kernels, and the
-query/key kernels take 0.84-0.89 ms a target forward and 0.32 a drafter step on H100s, as the best timed
-picks on H100s did (0.84-0.86, call G5; BENCHMARKS.md, calls I2-I4). The target's two large RMSNorm
-kernels ran 0.01-0.07 ms slower each than their timed picks. `timed` keeps Inductor's timing. Pointwise
-kernels are another matter (target/worker.py COMPILE_OPTIONS).
+query/key kernels run as fast as the best timed picks did (BENCHMARKS.md, calls I2-I4); the target's two
+large RMSNorm kernels run slightly slower than theirs. `timed` keeps Inductor's timing. Pointwise kernels
+are another matter (target/worker.py COMPILE_OPTIONS).
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ class TargetRun(_RoleRun):
     def pack_ahead(self) -> None:
         """Pack the next forward's data rows now, inside the turn, if another forward follows this one.
 
-        Packed after the send (0.9 ms median at 8B shapes, up to 7 ms), the next batch held back the
+        Packed after the send (milliseconds at 8B shapes), the next batch held back the
         target's next turn, and a drafter waiting on an empty ring could take the turn in that window:
         the two alternated with the ring empty, the drafter waiting a whole forward for each batch
         (BENCHMARKS.md, calls Z5 and Z9; `GpuTurns.first` is the other half of the mend). Packed here,

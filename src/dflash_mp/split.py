@@ -115,8 +115,8 @@ def shared_splits(world: int, t: float, d: float, efficiency: float = 0.9) -> li
     `efficiency` of a dedicated GPU's throughput overall (two processes contend for memory and SMs).
     Drafters step in lock-step (one gradient all-reduce per step), so every drafter runs at the pace
     of the one on the shared GPU: consumption is (nd + 1) * e * (1 - f) * d, not nd * d plus a share
-    (measured on 2 H200s: 1 target + 2 drafters, one sharing the target's GPU, ran at 6.83 samples/s,
-    below the 8.01 of 1 + 1 whole GPUs). f balances nt*t + e*f*t = (nd + 1)*e*(1 - f)*d.
+    (on 2 H200s, 1 target + 2 drafters, one sharing the target's GPU, ran slower than 1 + 1 whole GPUs;
+    BENCHMARKS.md, issue 24). f balances nt*t + e*f*t = (nd + 1)*e*(1 - f)*d.
     """
     out = []
     for nt in range(world):

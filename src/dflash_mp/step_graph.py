@@ -2,7 +2,7 @@
 
 A step has one shape for the whole run (fixed rows, fixed anchors), so forward, backward, the
 gradient norm and the AdamW update are the same ~700 launches every time. Launched from Python
-they leave the GPU a gap before many kernels (~2 ms of the 8B step on an H200) and, where the
+they leave the GPU a gap before many kernels (BENCHMARKS.md, calls J-O) and, where the
 host waits for each step (GPU turns with a target), the host's start of the next. Captured once,
 a step is five input copies and one graph launch.
 

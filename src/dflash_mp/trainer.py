@@ -100,11 +100,11 @@ class TrainConfig:
     #   differ a little from the ones it trained on (another kernel, dtype or batch at serving time)
     feature_noise_scale: float = 0.05  # noise std relative to each token's per-layer feature RMS
     cublas_workspace: str = "none"  # cuBLAS's workspace in a drafter's process (blas.py): none (the
-    #   default on CUDA: no memset before the step's GEMMs, 0.7 ms of the 8B step on an H100) | torch
+    #   default on CUDA: no memset before the step's GEMMs, BENCHMARKS.md calls H2-H4) | torch
     #   (PyTorch's sizes). Environment variables already set win.
     reduction_configs: str = "heuristic"  # how Inductor picks each compiled reduction kernel's config
     #   (reductions.py): heuristic (the default on CUDA: from the kernel's shape, the same in every
-    #   compile) | timed (timed at the kernel's first run: 0.29-0.90 ms of the 8B step's q/k norm kernels)
+    #   compile) | timed (timed at the kernel's first run; its picks vary from compile to compile)
     cuda_graph: bool = True  # CUDA, one drafter replica, Triton block attention: the whole step
     #   (forward, backward, clipping, AdamW) is captured as one CUDA graph after two launched steps
     #   and replayed from then on (step_graph.py); where it cannot be, the choices table says why
@@ -282,7 +282,7 @@ class DrafterTrainer:
             device, self.mode, replicas(group), objective.attention)
         # The drafter's forward runs in Python between layers only in eager mode and layers scope:
         # there it can wait for each layer's update just before the layer runs. Not with CUDA
-        # graphs: the 8B step went from 126 to 152 ms there, its graphs re-recorded (BENCHMARKS.md).
+        # graphs: the 8B step was much slower there, its graphs re-recorded (BENCHMARKS.md).
         # Not in a captured step either: there the update runs after backward, in the graph.
         overlap = (cfg.optimizer_overlap and self.mode != "reduce-overhead" and self.graph_why is not None
                    and (self.mode == "eager" or cfg.compile_scope == "layers"))

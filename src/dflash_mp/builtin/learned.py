@@ -37,7 +37,7 @@ from .targets import TINY_QWEN3, build_demo_tokenizer, demo_qwen3_config
 LEARNED_VERSION = 1
 
 # Shapes and training recipes. tiny: about a minute on a laptop CPU. medium: 39.4M parameters, the
-# GPU run of the learning proof: 80 ms/step on one H200 (measured), its loss flat after ~500 steps.
+# GPU run of the learning proof (BENCHMARKS.md, issue 3), its loss flat after ~500 steps.
 SIZES = {
     "tiny": dict(shapes=TINY_QWEN3, num_steps=160, batch_size=8, seq_len=128, lr=3e-3),
     "medium": dict(shapes=dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,

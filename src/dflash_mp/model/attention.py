@@ -36,10 +36,10 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 BACKENDS = ("auto", "dense", "flex", "triton")
 
-# flex_attention backward tiles for DFlash block masks (blocks of 16 queries, head_dim 128), measured
-# on the H200 (bench/flex_tiles.py, BENCHMARKS.md): dK/dV walk 32-row query tiles per 64-row key tile,
-# dQ 32-row key tiles per 64-row query tile; 2.4 ms per 8B drafter layer against 3.0 with Inductor's
-# defaults (64/128/128/64, 8 warps). The forward keeps Inductor's tiles.
+# flex_attention backward tiles for DFlash block masks (blocks of 16 queries, head_dim 128), the fastest
+# on the H200 (bench/flex_tiles.py; figures in BENCHMARKS.md): dK/dV walk 32-row query tiles per 64-row
+# key tile, dQ 32-row key tiles per 64-row query tile, tiles that match the 16-query blocks better than
+# Inductor's defaults (64/128/128/64, 8 warps). The forward keeps Inductor's tiles.
 FLEX_KERNEL_OPTIONS = {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                        "bwd_num_warps": 4, "bwd_num_stages": 3}
 

@@ -44,18 +44,14 @@ import torch
 from ..batch import document_starts
 from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch, too_small
 
-# Tiles measured on the H200 at 8B drafter shapes (bench/flex_tiles.py, BENCHMARKS.md): the forward
-# walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns BLOCK_N2 key
-# rows per program. One layer's backward: 2.29 ms with 64/64, 4 warps, 2 stages everywhere; dQ over
-# 128-key tiles 1.87; dK/dV over 128-row tiles with 8 warps 2.03. dQ over 128 keys with 3 stages
-# needs 256 KiB of shared memory, more than an H200 has. Then two blocks per program in the forward and
-# dQ (128-row tiles, 8 warps, dQ over 64-key tiles in 3 stages): the backward 2.03-2.24 ms against
-# 2.38-2.65 with one block, the step's block attention 10.0 ms against 11.7; two blocks in dK/dV was
-# slower (5.5-5.9 ms: its 128 x 128 tiles of four matmuls spill), and so was dQ over 64-key tiles with one
-# block (3.0 ms). dK/dV walking a block's 64 rows in 2 or 4 parts of 32 or 16 (no spill, 238 / 210
-# registers against 255) took 4.41-4.77 ms a step against 3.08-3.11 (call K2, an H100; removed after it).
-# Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a block), one block runs
-# with these tiles, the same 128-row tiles (unmeasured at those shapes).
+# Tiles the sweeps at 8B drafter shapes picked (bench/flex_tiles.py; the figures are in BENCHMARKS.md, issue
+# 31): the forward walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns
+# BLOCK_N2 key rows per program. The forward and dQ take two blocks a program (128-row tiles, 8 warps),
+# which halves the programs that reload the same context tiles; dK/dV keeps one block, because two spill
+# its four matmuls' 128 x 128 tiles, and walks a block's rows whole (in parts it spilled nothing and still
+# ran slower). dQ over 128 keys with 3 stages needs more shared memory than an H200 has. Where two
+# blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a block), one block runs with
+# these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
 # The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,
@@ -73,18 +69,17 @@ MAX_ROWS = 128  # rows per program (G*B, rounded up, x blocks) beyond which the 
 USE_TMA: bool | None = None
 # The kernels ("fwd", "dq", "dkv") whose programs of all KV heads at one place in the kernel's order start
 # together (the grid is (KV heads, places)), so the longest programs start first over all heads; the others
-# start head by head ((places, KV heads)). The dK/dV kernel's 8 x T/BLOCK_N2 programs, one an SM at 8B
-# shapes, started head by head start the last heads' longest tiles after the first heads' shortest:
-# bench/dkv_balance.py puts the last SM's finish at 1.5-1.7x a perfect spread's, against 1.07-1.15x heads
-# first (the bench's rows, 132 SMs); timed on an H100, dK/dV took 3.0-3.2 ms a step against 4.1-4.2. The
-# forward and dQ launch ~2,000 programs of similar lengths, which spread either way; dQ ran 0.04-0.14 ms a
-# step slower heads first (BENCHMARKS.md, calls E1-E2), so they start head by head.
+# start head by head ((places, KV heads)). The dK/dV kernel's 8 x T/BLOCK_N2 programs, about one an SM at
+# 8B shapes, started head by head start the last heads' longest tiles after the first heads' shortest, and
+# the last SM finishes late (bench/dkv_balance.py); heads first they spread. The forward and dQ launch
+# ~2,000 programs of similar lengths, which spread either way, and dQ timed slower heads first, so they
+# start head by head (BENCHMARKS.md, calls E1-E2).
 # Read at each launch; outputs are the same bit for bit either way (no program depends on another's order).
 KERNELS = ("fwd", "dq", "dkv")
 HEADS_FIRST: frozenset[str] = frozenset({"dkv"})
 # The forward's context tiles that every row of its program sees whole (inside all of its blocks' spans)
-# skip the mask (the kernel's WHOLE): -0.08 to -0.13 ms of forward a step on an H100. dQ and dK/dV split
-# the same way (unmasked loops beside masked ones) ran 0.03-0.15 ms slower, so they mask every tile
+# skip the mask (the kernel's WHOLE), which timed faster. dQ and dK/dV split the same way (unmasked loops
+# beside masked ones, two pipelines where there was one) timed slower, so they mask every tile
 # (BENCHMARKS.md, call J1). False masks every forward tile too (benches compare the two). Read at each launch.
 WHOLE_TILES = True
 

@@ -8,8 +8,8 @@ place: one read and one write, and no second `[R, V]` buffer. Inductor's fused c
 `inductor` loss kernel) reads the logits three times and writes the gradient once.
 
 The statistics pass keeps one program per row. Reducing every tile across the program's threads
-(max, argmax and sum: shuffles and a barrier each) bound it, not the bytes: the H200 read the
-logits at 2.2 TB/s that way (`STATS = "tiles"`) against 3.9 for the gradient pass. By default
+(max, argmax and sum: shuffles and a barrier each) bound it, not the bytes: that way (`STATS =
+"tiles"`) it read the logits at well under the gradient pass's rate (BENCHMARKS.md). By default
 (`STATS = "lanes"`) each of the `STATS_BLOCK` lanes of a tile instead keeps its own running
 maximum, sum of exponentials and first index of its maximum over the row, with elementwise
 updates only and one exp per logit, and the lanes are combined once, after the row. With
@@ -38,9 +38,9 @@ STATS_STAGES = 1  # "lanes": tiles in flight per program through shared memory (
 BLOCK_V = 4096  # logits per tile of the gradient pass: 8 KiB of bf16 per row
 GRAD_WARPS = 8  # warps per tile of the gradient pass
 GRAD_TILES = 1  # tiles per program of the gradient pass (1: one program per row and tile)
-# Tried and removed (afa2461, call K3, an H100): both passes in one persistent kernel, a row per SM at a
-# time, so that the gradient pass reads the row back from L2: 1.99-2.80 ms a 4096-row chunk against these
-# two kernels' 1.35 (0.46 + 0.90): one row in flight per SM does not keep the memory busy.
+# Tried and removed (afa2461, call K3 of BENCHMARKS.md): both passes in one persistent kernel, a row per
+# SM at a time, so that the gradient pass reads the row back from L2. It was slower than these two
+# kernels: one row in flight per SM does not keep the memory busy.
 
 
 def available(device: torch.device) -> bool:

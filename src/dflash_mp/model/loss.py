@@ -40,8 +40,8 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad:
     # lets tests compare against a plain reference exactly).
     logits = F.linear(h, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    # (Written as amax + sum(exp(x - max)), Inductor's online-softmax pass, the GPU chunk took 4.1
-    # instead of 3.5 ms per step on the H200: logsumexp stays.)
+    # (Written as amax + sum(exp(x - max)), Inductor's online-softmax pass, the GPU chunk was slower
+    # on the H200: logsumexp stays.)
     lse = torch.logsumexp(logits, dim=-1)
     ce = lse - logits.gather(1, y[:, None])[:, 0]
     pred = logits.argmax(dim=-1)
@@ -51,8 +51,8 @@ def _ce_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad:
     probs = torch.exp(logits - lse[:, None])
     if torch.compiler.is_compiling():
         # Pointwise, so Inductor writes the gradient once, in the head's dtype, from the pass that
-        # reads the logits; a scatter would first materialise fp32 probabilities (measured on the
-        # 8B step: one extra 2.5 GB write and a cast pass per chunk).
+        # reads the logits; a scatter would first materialise fp32 probabilities (on the 8B step one
+        # extra 2.5 GB write and a cast pass per chunk).
         onehot = torch.arange(logits.shape[1], device=y.device)[None, :] == y[:, None]
         probs = probs - onehot.to(probs.dtype)
     else:  # eagerly, a scatter touches one element per row instead of a pass over the vocabulary

@@ -122,8 +122,8 @@ def _flex_outside_graph(module, query, key, value, attention_mask, **kwargs):
     """transformers' flex_attention forward, run outside the compiled target graph.
 
     Traced into the graph, Inductor fuses each layer's q/k RMSNorm and RoPE into the flex_attention
-    kernel as a prologue that every (query tile, key tile) pair recomputes: 15.2 ms per Qwen3-8B
-    batch (T = 3072) against 6.4 ms for the same attention compiled on its own (BENCHMARKS.md).
+    kernel as a prologue that every (query tile, key tile) pair recomputes, more than twice the time
+    of the same attention compiled on its own (BENCHMARKS.md, issue 4.3).
     Dynamo breaks the graph here; the norm/RoPE before and the projections after stay compiled.
     """
     from transformers.integrations.flex_attention import flex_attention_forward

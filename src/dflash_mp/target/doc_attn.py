@@ -28,12 +28,11 @@ from ..batch import document_starts
 from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, launch, too_small
 
 # (BLOCK_M query rows, BLOCK_N keys, warps, stages) per head_dim; BLOCK_N divides BLOCK_M (the kernel's
-# diagonal starts at a key tile). Measured on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
-# GPU time of one layer, BENCHMARKS.md): 64 rows over 32 keys, 4 warps, 3 stages the fastest; 64 over 64
-# next; 128-row tiles with 8 warps and flex_attention slower. The 4 query heads of a KV head in one
-# program (32 positions x 4 heads, 8 warps): 0.106 ms a layer alone against 0.113, but no faster inside
-# the 8B forward (67.66 / 67.22 against 67.05 / 67.56 ms, interleaved); tried in commit 4e8e445, not kept.
-# 64 and 256 follow from it, unmeasured.
+# diagonal starts at a key tile). Swept on the H200 for 128 at Qwen3-8B shapes (bench/doc_attn_tiles.py,
+# GPU time of one layer; figures in BENCHMARKS.md): 64 rows over 32 keys, 4 warps, 3 stages the fastest;
+# 64 over 64 next; 128-row tiles with 8 warps and flex_attention slower. The 4 query heads of a KV head in
+# one program was faster alone but no faster inside the 8B forward (call Z1); tried in commit 4e8e445, not
+# kept. 64 and 256 follow from it, unmeasured.
 TILES = {64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 3)}
 # The shared memory the kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80, sm_120),
 # rounded up: 24,576 / 53,248 / 102,400 B (bench/kernel_resources.py; tests/test_kernel_resources.py holds

@@ -32,15 +32,15 @@ class TargetConfig:
     # Packed rows per forward: >1 lays that many rows end to end in one forward (their documents kept
     # apart), so each matmul gets rows x data.seq_len rows; the drafters still get one row per message.
     # Needs target.stages=1. For an 8B target on an H100/H200 it gains nothing (its GEMMs run no faster
-    # at 6144 rows than at 3072, BENCHMARKS.md); a small target may (the 4B's GEMMs gain 1.6% at 6144 rows).
+    # at 6144 rows than at 3072, BENCHMARKS.md); a small target's GEMMs may.
     rows_per_forward: int = 1
     # cuBLAS's workspace in the target's process (blas.py): none (the default on CUDA: the 8B target's
-    # GEMMs run without the memsets and gaps a workspace brings, 0.5 ms a forward on an H100) | torch
+    # GEMMs run without the memsets and gaps a workspace brings, BENCHMARKS.md calls G4-G5) | torch
     # (PyTorch's sizes). Environment variables already set win.
     cublas_workspace: str = "none"
     # How Inductor picks each compiled reduction kernel's config (reductions.py): heuristic (the default on
     # CUDA: from the kernel's shape, the same in every compile) | timed (timed at the kernel's first run,
-    # which picked 0.81-2.35 ms a forward for the 8B target's query/key norm kernels).
+    # whose picks for the 8B target's query/key norm kernels varied threefold from compile to compile).
     reduction_configs: str = "heuristic"
 
 

@@ -174,8 +174,8 @@ def stage_weight_bytes(path: str, first: int, end: int, keep_norm: bool, dtype: 
     """Bytes of the weights a target rank holds for decoder layers [first, end) of the target at `path`
     (a checkpoint or a random-weight target: the same modules) in `dtype`, the embedding on a first
     stage included: its model built on the meta device, which allocates nothing and reads no weight
-    file, so it is exact for every architecture transformers builds (0.1-0.3 s for 27-235B configs
-    once the model's module is imported, which the load does anyway)."""
+    file, so it is exact for every architecture transformers builds (a fraction of a second for
+    27-235B configs once the model's module is imported, which the load does anyway)."""
     config, stage = _stage_class(path, first, end, keep_norm)
     with torch.device("meta"):
         model = stage(config)

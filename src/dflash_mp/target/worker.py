@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # Inductor times two configs of each pointwise kernel the first time it runs and keeps the faster. For
 # the 8B SwiGLU (3072 x 12288 elements) the pick came out either way in runs of the same code on one
-# machine, and the forward's SwiGLU took 1.80 or 2.79 ms (BENCHMARKS.md, issue 31). Untimed, Inductor
-# takes its first config (1024 elements, 4 warps): 1.80-1.84 ms in every forward measured since.
+# machine, the slower one taking half again as long (BENCHMARKS.md, issue 31). Untimed, Inductor takes
+# its first config (1024 elements, 4 warps), the faster one, in every compile.
 COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
 # The submodules of a decoder layer laid out as Llama's (Qwen2/3, Mistral, ...): pre-norm attention and
 # MLP, each added to the residual stream. Other layouts (Gemma's four norms, linear-attention mixers)
@@ -118,7 +118,7 @@ class TargetWorker:
 
     `defer_residual`: compiled layer by layer, layers laid out as Llama's hand the next one their
     (residual, delta) pair and it adds them inside its input norm (DeferredAdd): one pass over the
-    residual stream less per layer (0.6 ms of an 8B forward). Checked at load (check_compiled).
+    residual stream less per layer (BENCHMARKS.md, calls U-Y). Checked at load (check_compiled).
 
     `compile_options`: Inductor options on top of COMPILE_OPTIONS (bench/target_forward.py's
     `-autotune` variants: the layers' matmuls autotuned against Triton templates).
