@@ -143,6 +143,7 @@ def _cases(arch: int):
         yield f"loss {name}", lambda vocab=vocab: _loss(vocab)
     if arch >= 90:  # tensor descriptors only: it runs on GPUs with TMA (swiglu.fused_runs)
         yield "target swiglu", _swiglu
+        yield "target swiglu gu", lambda: _swiglu(gate_up=True)
 
 
 def _with_tma(module, tma: bool, fn) -> None:
@@ -176,13 +177,13 @@ def _target_attention(hq: int, hkv: int, d: int) -> None:
     doc_attention(q, k, v, doc_rows(torch.cat([torch.zeros(100), torch.ones(T - 100)]).long(), d))
 
 
-def _swiglu() -> None:
+def _swiglu(gate_up: bool = False) -> None:
     """The target's gate/up GEMM with its SwiGLU epilogue, at its default tiles (the sizes are runtime
-    arguments: any will do)."""
-    from dflash_mp.target.swiglu import TILES, swiglu_op
+    arguments: any will do); `gate_up`: the form that also writes both projections (swiglu_gu_op)."""
+    from dflash_mp.target.swiglu import TILES, swiglu_gu_op, swiglu_op
 
     x, w = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
-    swiglu_op(x, w, w, list(TILES))
+    (swiglu_gu_op if gate_up else swiglu_op)(x, w, w, list(TILES))
 
 
 def _loss(vocab: int) -> None:

@@ -6,7 +6,12 @@ two projections (151 MB) and reads them back; the fused kernel writes h (75 MB) 
 GEMM runs within that traffic's time of cuBLAS's. Each variant is timed back to back, alternating, and
 checked against the product in fp32 (its largest error next to the separate path's).
 
-    python swiglu_gemm.py [--rows 3072] [--hidden 4096] [--inter 12288] [--tiles 128,128,64,8,8,4,0;...]   (from bench/)
+    python swiglu_gemm.py [--rows 3072] [--hidden 4096] [--inter 12288] [--tiles 128,128,64,8,8,4,0;...]
+        [--gate-up]   (from bench/)
+
+A drafter's MLP (training) keeps both projections for its backward: `--gate-up` also times each tile's
+form that writes them from its accumulators (`swiglu_gu_op`), against the same separate path, which
+writes them anyway; at the 8B drafter's rows (M = 8192) it saves the read-back alone.
 
 Prints a table and writes swiglu_gemm.json under $OUT (or bench/results)."""
 
@@ -18,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from common import median, sync, timed, write_json
-from dflash_mp.target.swiglu import TILES, swiglu_op
+from dflash_mp.target.swiglu import TILES, swiglu_gu_op, swiglu_op
 
 CEILING = 790e12
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, persistent): the default first, then one change each.
@@ -32,6 +37,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=12288)
     ap.add_argument("--tiles", default="", help="';'-separated tile tuples (default: VARIANTS)")
+    ap.add_argument("--gate-up", action="store_true",
+                    help="also time each tile's form that writes both projections (a training forward's)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
@@ -57,6 +64,8 @@ def main() -> None:
            "cuBLAS gate, up alone": lambda: (F.linear(x, wg), F.linear(x, wu))}
     for t in variants:
         fns[f"triton {t}"] = (lambda t=t: swiglu_op(x, wg, wu, list(t)))
+        if a.gate_up:  # against "separate", which writes the projections too
+            fns[f"triton {t} +g,u"] = (lambda t=t: swiglu_gu_op(x, wg, wu, list(t))[0])
     rows, err = {}, {}
     for name, fn in list(fns.items()):
         try:

@@ -5,7 +5,9 @@ kernel, the two GEMMs write 2 x M x N bf16 elements that the SwiGLU kernel reads
 at the 8B target's shapes (M = 3072 rows, N = 12288) 226 MB of traffic a layer on top of the GEMMs.
 `swiglu` computes both products tile by tile in one kernel and applies the SwiGLU to its fp32
 accumulators (swiglu_triton.py), so only h is written. The target has no backward, so nothing needs
-the projections' outputs.
+the projections' outputs. A training forward would (its backward reads both): `swiglu_gu_op` also writes
+them from the same accumulators, saving the read-back alone; bench/swiglu_gemm.py `--gate-up` times it
+at a drafter's rows, and nothing uses it yet.
 
 Numerics: the GEMMs' outputs are not rounded to bf16 before the SwiGLU (the separate kernels round
 them), so h differs from the separate path by bf16 rounding; its CUDA test holds it no farther from the
@@ -42,29 +44,50 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@torch.library.custom_op("dflash_mp::swiglu", mutates_args=())
-def swiglu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[int]) -> torch.Tensor:
-    """x `[M, K]`, wg and wu `[N, K]` (nn.Linear weights) -> `[M, N]`, silu(x wg^T) * (x wu^T)."""
+def _swiglu_launch(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[int],
+                   store_gu: bool) -> list[torch.Tensor]:
+    """[h] or, with `store_gu`, [h, x wg^T, x wu^T]: the kernel's outputs, each `[M, N]` in x's dtype."""
     bm, bn, bk, group, warps, stages, persistent = tiles
     M, K = x.shape
     N = wg.shape[0]
     x, wg, wu = (t.contiguous() for t in (x, wg, wu))
-    h = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    outs = [torch.empty(M, N, dtype=x.dtype, device=x.device) for _ in range(3 if store_gu else 1)]
     from .swiglu_triton import swiglu_gemm
 
     num_tiles = -(-M // bm) * -(-N // bn)
     grid = min(num_tiles, sm_count(x.device)) if persistent else num_tiles
+    h, g, u = (descriptor(o, [bm, bn]) for o in (outs if store_gu else outs * 3))
     launch(swiglu_gemm, (grid,),
-           (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]), descriptor(h, [bm, bn]),
-            M, N, K),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
+           (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]), h, g, u, M, N, K),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent), STORE_GU=store_gu),
            warps, stages, x.device)
-    return h
+    return outs
+
+
+@torch.library.custom_op("dflash_mp::swiglu", mutates_args=())
+def swiglu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[int]) -> torch.Tensor:
+    """x `[M, K]`, wg and wu `[N, K]` (nn.Linear weights) -> `[M, N]`, silu(x wg^T) * (x wu^T)."""
+    return _swiglu_launch(x, wg, wu, tiles, False)[0]
 
 
 @swiglu_op.register_fake
 def _(x, wg, wu, tiles):
     return x.new_empty(x.shape[0], wg.shape[0])
+
+
+@torch.library.custom_op("dflash_mp::swiglu_gu", mutates_args=())
+def swiglu_gu_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor,
+                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_op` that also returns the projections x wg^T and x wu^T (what a training forward keeps for
+    its backward), written by the same kernel from its accumulators. Not used by the target (no
+    backward); bench/swiglu_gemm.py times it at a drafter's shapes."""
+    h, g, u = _swiglu_launch(x, wg, wu, tiles, True)
+    return h, g, u
+
+
+@swiglu_gu_op.register_fake
+def _(x, wg, wu, tiles):
+    return tuple(x.new_empty(x.shape[0], wg.shape[0]) for _ in range(3))
 
 
 def fused_runs(x: torch.Tensor) -> bool:

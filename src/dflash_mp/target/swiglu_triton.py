@@ -3,7 +3,8 @@
 `swiglu_gemm` computes h = silu(x @ Wg^T) * (x @ Wu^T) for one tile of h at a time: both products
 accumulate in fp32 side by side over the same tiles of x, and the SwiGLU is the epilogue. The gate
 and up projections' outputs are never written: the separate GEMMs write 2 x M x N elements that a
-SwiGLU kernel reads back to write M x N. Tiles come through tensor descriptors (TMA on Hopper and
+SwiGLU kernel reads back to write M x N. With STORE_GU (a training forward, whose backward needs them)
+the kernel writes them too, from its accumulators: the separate path's read-back is still saved. Tiles come through tensor descriptors (TMA on Hopper and
 later). The programs walk the M x N tiles in strides of their number (as many as tiles: one tile a
 program; as many as SMs: persistent programs), grouped GROUP_M tile rows at a time so that the weight
 tiles a group reads stay in L2."""
@@ -13,8 +14,8 @@ import triton.language as tl
 
 
 @triton.jit
-def swiglu_gemm(X, WG, WU, H, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def swiglu_gemm(X, WG, WU, H, G, U, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, STORE_GU: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -31,3 +32,6 @@ def swiglu_gemm(X, WG, WU, H, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
             up = tl.dot(x, tl.trans(WU.load([n0, k0])), up)
         h = gate * tl.sigmoid(gate) * up
         H.store([m0, n0], h.to(X.dtype))
+        if STORE_GU:  # a training forward: the backward needs both projections
+            G.store([m0, n0], gate.to(X.dtype))
+            U.store([m0, n0], up.to(X.dtype))
