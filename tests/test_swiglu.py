@@ -1,7 +1,7 @@
 """The target's SwiGLU with its gate and up projections in one Triton GEMM (target/swiglu.py): the kernel
 against the model's own MLP in Triton's interpreter (fp32: tails in every dimension, one tile a
-program and persistent programs; the form that also writes both projections) and on a GPU (bf16, the real tiles), and a target's compiled layers
-through it, captured as a CUDA graph."""
+program and persistent programs; the form that also writes both projections) and on a GPU (bf16, the
+real tiles), and a target's compiled layers through it, captured as a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 import triton_interp
-from dflash_mp.target.swiglu import TILES, fused_runs, gated_silu, swiglu, swiglu_gu_op, swiglu_op, swiglu_reference
+from dflash_mp.target.swiglu import (TILES, fused_runs, gated_silu, swiglu, swiglu_gu_op, swiglu_op,
+                                     swiglu_reference)
 
 CUDA = torch.device("cuda")
 # (M, K, N, tiles): M, N and K none a multiple of their tile; a group of tile rows past the last one.

@@ -12,9 +12,10 @@ With bf16 working weights the master is kept split (`split_master`, the default)
 the upper 16 bits of an fp32 one, so `work` holds the master's upper half, rounded to nearest, and
 `low` (int16) the signed rest, `master = (work << 16) + low` bit for bit. The update reads and
 writes 2 + 2 bytes of master and working weight instead of 4 + 4 + 2: 26 bytes a parameter instead
-of 28, and 2 bytes less memory a parameter (BENCHMARKS.md, calls F1-F4). The only difference from a separate fp32 master is how an exact tie
-rounds: half away from zero (the split needs it: `low` then fits 16 bits) instead of half to even,
-where the lower 16 bits are 0x8000 (1 value in 65,536 of random bits).
+of 28, and 2 bytes less memory a parameter (BENCHMARKS.md, calls F1-F4). The only difference from a
+separate fp32 master is how an exact tie rounds: half away from zero (the split needs it: `low` then
+fits 16 bits) instead of half to even, where the lower 16 bits are 0x8000 (1 value in 65,536 of random
+bits).
 
 The gradients reach the update in one of two ways. Either way autograd leaves each parameter's
 gradient in `.grad`, a fresh tensor (`.grad` is None when the step's first backward starts, so

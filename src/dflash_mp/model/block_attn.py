@@ -46,12 +46,12 @@ from ..triton_launch import input_precision, key_value_tiles, last_dim_dense, la
 
 # Tiles the sweeps at 8B drafter shapes picked (bench/flex_tiles.py; the figures are in BENCHMARKS.md, issue
 # 31): the forward walks keys in tiles of BLOCK_N, dQ in tiles of DQ_BLOCK_N; the context dK/dV kernel owns
-# BLOCK_N2 key rows per program. The forward and dQ take two blocks a program (128-row tiles, 8 warps),
-# which halves the programs that reload the same context tiles; dK/dV keeps one block, because two spill
-# its four matmuls' 128 x 128 tiles, and walks a block's rows whole (in parts it spilled nothing and still
-# ran slower). dQ over 128 keys with 3 stages needs more shared memory than an H200 has. Where two
-# blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a block), one block runs with
-# these tiles, the same 128-row tiles (unmeasured at those shapes).
+# BLOCK_N2 key rows per program. The forward and dQ take two blocks a program (128-row tiles, 8 warps):
+# two blocks' rows share one load of each context tile where one block's filled a 64-row tile; dK/dV keeps
+# one block, because two spill its four matmuls' 128 x 128 tiles, and walks a block's rows whole (in parts
+# it spilled nothing and still ran slower). dQ over 128 keys with 3 stages needs more shared memory than
+# an H200 has. Where two blocks' rows would pass MAX_ROWS (8 query heads per KV head: 128 rows a block),
+# one block runs with these tiles, the same 128-row tiles (unmeasured at those shapes).
 TILES = {"BLOCK_N": 64, "DQ_BLOCK_N": 64, "BLOCK_N2": 128, "fwd_warps": 8, "fwd_stages": 3, "dq_warps": 8,
          "dq_stages": 3, "dkv_warps": 8, "dkv_stages": 2, "q_blocks": 2}
 # The most shared memory a block kernel asks for with TILES on GPUs below the H200's 227 KiB (sm_80,

@@ -2,20 +2,20 @@
 
 `swiglu_gemm` computes h = silu(x @ Wg^T) * (x @ Wu^T) for one tile of h at a time: both products
 accumulate in fp32 side by side over the same tiles of x, and the SwiGLU is the epilogue. The gate
-and up projections' outputs are never written: the separate GEMMs write 2 x M x N elements that a
-SwiGLU kernel reads back to write M x N. With STORE_GU (a training forward, whose backward needs them)
-the kernel writes them too, from its accumulators: the separate path's read-back is still saved. Tiles come through tensor descriptors (TMA on Hopper and
-later). The programs walk the M x N tiles in strides of their number (as many as tiles: one tile a
-program; as many as SMs: persistent programs), grouped GROUP_M tile rows at a time so that the weight
-tiles a group reads stay in L2."""
+and up projections' outputs are not written (the separate GEMMs write 2 x M x N elements that a
+SwiGLU kernel reads back to write M x N), unless STORE_GU asks for them (a training forward, whose
+backward needs them): then the kernel writes them from its accumulators, and the read-back is still
+saved. Tiles come through tensor descriptors (TMA on Hopper and later). The programs walk the M x N
+tiles in strides of their number (as many as tiles: one tile a program; as many as SMs: persistent
+programs), grouped GROUP_M tile rows at a time so that the weight tiles a group reads stay in L2."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def swiglu_gemm(X, WG, WU, H, G, U, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, STORE_GU: tl.constexpr):
+def swiglu_gemm(X, WG, WU, H, G, U, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, STORE_GU: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
