@@ -32,7 +32,7 @@ from .archs import TARGET_ARCHS, known_target_config
 from .batch import HiddenBatch, PackedBatch
 from .cli import entry, tool_main
 from .model import DFlashDrafter
-from .runtime import resolve, validate
+from .runtime import pick_device, resolve, validate
 from .split import DRAFTER_MFU, TARGET_MFU, Layout, best_whole_split, fluid_bound, job_workload, plan_layouts
 from .stages import plan_stages
 from .target import TargetSpec, TargetWorker, load_target_config, resolve_dtype, truncate
@@ -67,7 +67,7 @@ def measure_rates(job, target_config: dict, iters: int = 5, ids: tuple[list[int]
                   ) -> tuple[float, float]:
     """(target, drafter) samples/s on the local accelerator (CPU when there is none), random weights.
     `ids`: (layer_ids, mask_token_id) when the caller derived them already."""
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dev = pick_device()  # the GPU a run's process of this local rank would take, made current
     dtype = resolve_dtype(job.target.dtype, dev)
     tc = target_config
     layer_ids, mask = ids or planned_ids(job, tc)

@@ -56,10 +56,12 @@ def _swiglu_launch(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: l
 
     num_tiles = -(-M // bm) * -(-N // bn)
     grid = min(num_tiles, sm_count(x.device)) if persistent else num_tiles
-    h, g, u = (descriptor(o, [bm, bn]) for o in (outs if store_gu else outs * 3))
+    h, *gu = (descriptor(o, [bm, bn]) for o in outs)
+    g, u = gu or (h, h)  # unread without STORE_GU: h's descriptor stands in
     launch(swiglu_gemm, (grid,),
            (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]), h, g, u, M, N, K),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent), STORE_GU=store_gu),
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent),
+                STORE_GU=store_gu),
            warps, stages, x.device)
     return outs
 
