@@ -66,18 +66,21 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     optim.py's split master); `+masked` every key tile of the block kernels masked
     (block_attn.WHOLE_TILES=False; the default skips the mask on the tiles every row sees whole); `+lt`
     the matmuls through cuBLASLt
-    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS)."""
+    (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS);
+    `+swiglu` the MLPs' gate/up GEMM with the SwiGLU as its epilogue and the SwiGLU's gradient in the
+    down projection's backward GEMM (swiglu.swiglu_mlp; the default: cuBLAS GEMMs and Inductor's
+    pointwise kernels)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
                        "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
-                       "lt") or (
+                       "lt", "swiglu") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
                              f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+masked, +lt, "
+                             f"+masked, +lt, +swiglu, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -101,6 +104,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                        sliding_window=p.get("window"))
     with torch.device(device):
         drafter = DFlashDrafter(args)
+    for layer in drafter.layers:
+        layer.mlp.fused_swiglu = "swiglu" in flags
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device).manual_seed(1)
     embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)

@@ -144,6 +144,7 @@ def _cases(arch: int):
     if arch >= 90:  # tensor descriptors only: it runs on GPUs with TMA (swiglu.fused_runs)
         yield "target swiglu", _swiglu
         yield "target swiglu gu", lambda: _swiglu(gate_up=True)
+        yield "swiglu backward", _swiglu_backward
 
 
 def _with_tma(module, tma: bool, fn) -> None:
@@ -180,10 +181,20 @@ def _target_attention(hq: int, hkv: int, d: int) -> None:
 def _swiglu(gate_up: bool = False) -> None:
     """The target's gate/up GEMM with its SwiGLU epilogue, at its default tiles (the sizes are runtime
     arguments: any will do); `gate_up`: the form that also writes both projections (swiglu_gu_op)."""
-    from dflash_mp.target.swiglu import TILES, swiglu_gu_op, swiglu_op
+    from dflash_mp.swiglu import TILES, swiglu_gu_op, swiglu_op
 
     x, w = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
     (swiglu_gu_op if gate_up else swiglu_op)(x, w, w, list(TILES))
+
+
+def _swiglu_backward() -> None:
+    """The training MLP's backward GEMM (dh = dy wd, the SwiGLU's gradient as its epilogue) at its
+    default tiles (swiglu.TILES_BWD)."""
+    from dflash_mp.swiglu import TILES_BWD, swiglu_bwd_op
+
+    dy, wd = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
+    g = torch.randn(256, 512, dtype=torch.bfloat16)
+    swiglu_bwd_op(dy, wd, g, g, list(TILES_BWD))
 
 
 def _loss(vocab: int) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call for issue 31's one-GPU goals, everything at the presets' defaults, on a cold machine:
 #   1. the 8B job, 1 target + 1 drafter sharing the GPU, from empty caches (bench/run_rows_h200.sh, ROWS=1);
-#   2. the 8B drafter step, $DRAFTER_RUNS timed runs in one process, plus compiled-against-eager losses;
+#   2. the 8B drafter step, $DRAFTER_RUNS timed runs in one process, plus compiled-against-eager losses
+#      (DRAFTER_MODES, LOSS_MODE: other modes of bench/drafter_step.py in the same process, e.g.
+#      DRAFTER_MODES=default+ce=triton,default+ce=triton+swiglu,default+ce=triton,default+ce=triton+swiglu);
 #   3. the 8B target forward, $TARGET_RUNS timed runs in one process.
 # From the repo root:  bash bench/run_goals_h200.sh   (under $OUT: run_goals.log, goals.json, the parts' JSON)
 # Prints the goals table last.
@@ -16,8 +18,8 @@ grep -h "reduction configs\|cuBLAS workspace" /tmp/dflash_rows/rows1/logs/rank_*
 runs() { printf "$1%.0s," $(seq "$2") | sed 's/,$//'; }
 cd bench
 step drafter "${T_DRAFTER:-200}" env OUT=/tmp/goals_drafter python3 drafter_step.py --preset qwen3_8b \
-    --modes "$(runs default+ce=triton "${DRAFTER_RUNS:-2}")" --scope layers --steps 10 --warmup 3 \
-    --loss-steps "${LOSS_STEPS:-20}" --loss-mode default+ce=triton
+    --modes "${DRAFTER_MODES:-$(runs default+ce=triton "${DRAFTER_RUNS:-2}")}" --scope layers --steps 10 --warmup 3 \
+    --loss-steps "${LOSS_STEPS:-20}" --loss-mode "${LOSS_MODE:-default+ce=triton}"
 cp /tmp/goals_drafter/drafter_qwen3_8b_layers.json "$OUT/goals_drafter.json"
 step target "${T_TARGET:-150}" env OUT=/tmp/goals_target python3 target_forward.py --steps 10 \
     --variants "$(runs trunc-triton-compiled-graph "${TARGET_RUNS:-3}")"
@@ -38,10 +40,12 @@ def qk(run):  # the q/k norm + RoPE kernels (persistent reductions whose configs
 steps = [m for m in drafter.get("modes", []) if "ms_per_step" in m]
 lm = drafter.get("loss_match", {})
 ee = lm.get("eager_vs_eager_dense_attention", {})
-rows.append(("1. drafter step <= 114 ms", " / ".join(f"{m['ms_per_step']:.2f}" for m in steps),
+def named(m):  # a mode other than the default's says which
+    return "" if m["mode"] == "default+ce=triton" else f" ({m['mode'].replace('default+ce=triton', '')})"
+rows.append(("1. drafter step <= 114 ms", " / ".join(f"{m['ms_per_step']:.2f}{named(m)}" for m in steps),
              " / ".join(f"{m['mfu']:.3f}" for m in steps),
              f"q/k norm kernels {[round(qk(m), 3) for m in steps]} ms, "
-             f"recompiles {[m.get('recompiles_after_warmup') for m in steps]}, compiled vs eager loss "
+             f"recompiles {[m.get('recompiles_after_warmup') for m in steps]}, compiled ({lm.get('mode')}) vs eager loss "
              f"{lm.get('mean_rel_diff', float('nan')):.2%} mean / {lm.get('max_rel_diff', float('nan')):.2%} max, "
              f"eager dense vs Triton {ee.get('mean_rel_diff', float('nan')):.2%} / {ee.get('max_rel_diff', float('nan')):.2%}"))
 fwd = [v for v in target.get("variants", []) if "ms" in v]

@@ -16,7 +16,7 @@ always outside the compiled graph. `trunc-triton[-compiled]`: the Triton packed-
 descriptors (doc_attn.USE_TMA). `-graph` (before any `@` suffix): the forward replayed as one CUDA graph (target.cuda_graph, the job's
 default; TargetWorker's own default is off), e.g. `trunc-triton-compiled-graph`, the job's forward.
 `-swiglu` (before `-graph`): the compiled layers' gate and up projections and the SwiGLU as one Triton
-GEMM (target/swiglu.py), e.g. `trunc-triton-compiled-swiglu-graph`.
+GEMM (swiglu.py), e.g. `trunc-triton-compiled-swiglu-graph`.
 `-nodefer` (before `-graph`): compiled layers end with their own residual add instead of handing the
 next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton-compiled-nodefer-graph`.
 `-autotune` (before `-graph`): Inductor autotunes the layers' matmuls (max_autotune: cuBLAS against its

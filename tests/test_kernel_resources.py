@@ -44,8 +44,9 @@ def test_every_kernel_compiles_at_every_preset_shape(compiled):
     targets = ("qwen3_8b", "llama3_3_70b", "qwen3_235b_a22b", "qwen3_5_27b", "head_dim_64")
     want |= {(f"target {name}{how}", "doc_attn_fwd") for name in targets for how in ("", " pointers")}
     want |= {(f"loss {name}", k) for name in ("qwen", "llama") for k in ("stats_lanes_kernel", "grad_kernel")}
-    if got["arch"] >= 90:  # the target's fused SwiGLU loads through tensor descriptors only
-        want |= {("target swiglu", "swiglu_gemm"), ("target swiglu gu", "swiglu_gemm")}
+    if got["arch"] >= 90:  # the fused SwiGLU GEMMs load through tensor descriptors only
+        want |= {("target swiglu", "swiglu_gemm"), ("target swiglu gu", "swiglu_gemm"),
+                 ("swiglu backward", "swiglu_bwd_gemm")}
     assert launched == want, table
     # The ops' own choices reached the compiler: two blocks a program where G*B allows it, TMA on request.
     meta = {(r["case"], r["kernel"]): r["meta"] for r in got["rows"]}
@@ -97,10 +98,11 @@ def test_the_shared_memory_bounds_in_the_code_cover_what_the_kernels_ask_for(com
 
 @pytest.mark.parametrize("compiled", [90], ids=["h200"], indirect=True)
 def test_the_fused_swiglus_shared_memory_bound_covers_what_it_asks_for(compiled):
-    """swiglu.SHARED_BYTES keeps the target's fused SwiGLU off GPUs whose blocks have less (it falls back
-    to the model's own MLP there, swiglu.fused_runs)."""
-    from dflash_mp.target import swiglu
+    """swiglu.SHARED_BYTES keeps the fused SwiGLU GEMMs (the target's, the training form's forward and
+    backward) off GPUs whose blocks have less (they fall back to the model's own MLP there,
+    swiglu.fused_runs)."""
+    from dflash_mp import swiglu
 
     got, table = compiled
-    need = max(r["shared"] for r in got["rows"] if r["kernel"] == "swiglu_gemm")
+    need = max(r["shared"] for r in got["rows"] if r["kernel"] in ("swiglu_gemm", "swiglu_bwd_gemm"))
     assert need <= swiglu.SHARED_BYTES <= got["shared_limit"], (need, table)

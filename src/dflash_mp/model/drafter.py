@@ -23,6 +23,7 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
+from dflash_mp.swiglu import swiglu_mlp
 from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
@@ -247,6 +248,10 @@ def drop_anchors(t: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    # bench/drafter_step.py's `+swiglu` sets it: the gate/up GEMM with the SwiGLU as its epilogue and the
+    # SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off until timed.
+    fused_swiglu = False
+
     def __init__(self, args: DrafterArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
@@ -254,6 +259,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_swiglu:
+            return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -24,7 +24,7 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
 from .graph import ForwardGraph, unsupported as graph_unsupported
-from .swiglu import gated_silu, mlp_forward
+from ..swiglu import gated_silu, mlp_forward
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, stage_memory_error, truncate
 
 log = logging.getLogger(__name__)

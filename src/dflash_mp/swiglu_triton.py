@@ -35,3 +35,27 @@ def swiglu_gemm(X, WG, WU, H, G, U, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.
         if STORE_GU:  # a training forward: the backward needs both projections
             G.store([m0, n0], gate.to(X.dtype))
             U.store([m0, n0], up.to(X.dtype))
+
+
+@triton.jit
+def swiglu_bwd_gemm(DY, WD, G, U, DG, DU, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """The backward of down(silu(g) * u) into g and u: dh = dy @ Wd (Wd: the down projection's weight,
+    `[K, N]`), then dg = dh * u * silu'(g) and du = dh * silu(g) from the fp32 accumulator. dh itself
+    is never written (the separate path writes it and a SwiGLU-backward kernel reads it back)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
+        first_m = (tile // in_group) * GROUP_M
+        rows = min(num_m - first_m, GROUP_M)
+        m0 = (first_m + (tile % in_group) % rows) * BLOCK_M
+        n0 = ((tile % in_group) // rows) * BLOCK_N
+        dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            dh = tl.dot(DY.load([m0, k0]), WD.load([k0, n0]), dh)
+        g = G.load([m0, n0]).to(tl.float32)
+        u = U.load([m0, n0]).to(tl.float32)
+        s = tl.sigmoid(g)
+        DU.store([m0, n0], (dh * g * s).to(DY.dtype))
+        DG.store([m0, n0], (dh * u * s * (1.0 + g * (1.0 - s))).to(DY.dtype))
