@@ -69,12 +69,6 @@ def check_kernel() -> None:
             assert err < 1e-5, (M, K, N, tiles, err)
 
 
-@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_the_kernel_equals_the_mlp_in_the_triton_interpreter():
-    run = triton_interp.run("test_swiglu", "check_kernel()")
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
 def mlp_grads(fn, x, ws, dy) -> list[torch.Tensor]:
     """[y, dx, dwg, dwu, dwd] of `fn(x, wg, wu, wd)` against the output gradient dy."""
     x, *ws = (t.detach().clone().requires_grad_() for t in (x, *ws))
@@ -120,8 +114,11 @@ def check_training_form() -> None:
 
 
 @pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_the_training_form_matches_the_mlp_and_its_gradients_in_the_triton_interpreter():
-    run = triton_interp.run("test_swiglu", "check_training_form()")
+@pytest.mark.parametrize("check", ["check_kernel", "check_training_form", "check_drafter"])
+def test_the_kernels_in_the_triton_interpreter(check):
+    """check_kernel: the forward kernel equals the MLP's SwiGLU; check_training_form: the backward GEMM
+    and the training MLP's gradients, eager and compiled; check_drafter: a drafter through it."""
+    run = triton_interp.run("test_swiglu", f"{check}()")
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -204,12 +201,6 @@ def check_drafter() -> None:
         for name, a, b in zip(names, got, want, strict=True):
             err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
             assert err < tol, (how, name, err)
-
-
-@pytest.mark.skipif(not triton_interp.HAS_TRITON, reason=triton_interp.SKIP_REASON)
-def test_a_drafter_through_the_training_form_matches_its_own_modules_in_the_triton_interpreter():
-    run = triton_interp.run("test_swiglu", "check_drafter()")
-    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -14,16 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_origin(tile, num_m, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first row and column of output tile `tile`, walked GROUP_M tile rows at a time."""
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    rows = min(num_m - first_m, GROUP_M)
+    return (first_m + (tile % in_group) % rows) * BLOCK_M, ((tile % in_group) // rows) * BLOCK_N
+
+
+@triton.jit
 def swiglu_gemm(X, WG, WU, H, G, U, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, STORE_GU: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        first_m = (tile // in_group) * GROUP_M
-        rows = min(num_m - first_m, GROUP_M)
-        m0 = (first_m + (tile % in_group) % rows) * BLOCK_M
-        n0 = ((tile % in_group) // rows) * BLOCK_N
+        m0, n0 = _tile_origin(tile, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -45,12 +50,8 @@ def swiglu_bwd_gemm(DY, WD, G, U, DG, DU, M, N, K, BLOCK_M: tl.constexpr, BLOCK_
     is never written (the separate path writes it and a SwiGLU-backward kernel reads it back)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        first_m = (tile // in_group) * GROUP_M
-        rows = min(num_m - first_m, GROUP_M)
-        m0 = (first_m + (tile % in_group) % rows) * BLOCK_M
-        n0 = ((tile % in_group) // rows) * BLOCK_N
+        m0, n0 = _tile_origin(tile, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             dh = tl.dot(DY.load([m0, k0]), WD.load([k0, n0]), dh)
