@@ -49,6 +49,24 @@ def test_without_triton_the_reference_runs():
     assert torch.equal(swiglu(x, wg, wu), want)
 
 
+def test_the_device_check_is_a_constant_to_dynamo(monkeypatch):
+    """Where the GEMMs run is asked of the driver, which Dynamo cannot trace (on CUDA: Triton's
+    get_device_properties): a layer compiled whole takes the answer as a constant instead of breaking."""
+    import os
+    import sys
+
+    real = swiglu_module.available
+
+    def untraceable(device):  # what the driver query is to Dynamo: a C function it will not trace
+        return sys.getrefcount(device) > 0 and bool(os.getpid()) and real(device)
+
+    monkeypatch.setattr(swiglu_module, "available", untraceable)
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = (torch.randn(s, generator=g).bfloat16() for s in ((6, 16), (24, 16), (24, 16), (16, 24)))
+    compiled = torch.compile(swiglu_mlp, fullgraph=True, dynamic=False, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, wg, wu, wd), plain_mlp(x, wg, wu, wd))
+
+
 def check_kernel() -> None:
     # Where the fused kernel runs (here: Triton's interpreter): bf16/fp16 rows of 16-byte multiples.
     assert fused_runs(torch.zeros(2, 16, dtype=torch.bfloat16)) and fused_runs(torch.zeros(2, 8, dtype=torch.float16))

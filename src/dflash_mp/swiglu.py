@@ -179,16 +179,23 @@ def swiglu_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Te
     return y.view(*lead, wd.shape[0])
 
 
+@torch.compiler.assume_constant_result
+def device_runs(device: torch.device) -> bool:
+    """Whether the Triton GEMMs run on `device`: a GPU with TMA and the shared memory for TILES (sm_90
+    and sm_100), or Triton's interpreter. Asked while Dynamo traces a layer, it is answered then and
+    kept as a constant: the device's properties come from a driver call Dynamo cannot trace."""
+    if not available(device):
+        return False
+    if device.type != "cuda":
+        return True
+    have = shared_memory(device)
+    return has_tma(device) and (have is None or have >= SHARED_BYTES)
+
+
 def fused_runs(x: torch.Tensor) -> bool:
     """Whether the Triton GEMM runs for inputs like `x`: bf16 or fp16 rows of a multiple of 8 elements
-    (16-byte tensor-descriptor strides), on a GPU with TMA and the shared memory for TILES (sm_90 and
-    sm_100), or in Triton's interpreter."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] % 8 or not available(x.device):
-        return False
-    if x.device.type != "cuda":
-        return True
-    have = shared_memory(x.device)
-    return has_tma(x.device) and (have is None or have >= SHARED_BYTES)
+    (16-byte tensor-descriptor strides) on a device where it runs (`device_runs`)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.shape[-1] % 8 == 0 and device_runs(x.device)
 
 
 def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: tuple = TILES) -> torch.Tensor:
