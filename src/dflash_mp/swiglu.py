@@ -1,6 +1,7 @@
 """The SwiGLU MLP's gate and up projections in one Triton GEMM (the target's forward), and for training
-(the drafter's, off until timed) its backward into both projections in the down projection's
-gradient GEMM.
+(the drafter's) its backward into both projections in the down projection's gradient GEMM. Both roles
+keep them off: timed on an H100, these GEMMs fall short of cuBLAS's pace by more than the traffic they
+save (BENCHMARKS.md, calls M1-M2).
 
 A Llama-style MLP is `down(silu(x @ Wg^T) * (x @ Wu^T))`. Run as two cuBLAS GEMMs and a pointwise
 kernel, the two GEMMs write 2 x M x N bf16 elements that the SwiGLU kernel reads back to write M x N:

@@ -249,7 +249,8 @@ def drop_anchors(t: torch.Tensor, block_size: int) -> torch.Tensor:
 
 class MLP(nn.Module):
     # bench/drafter_step.py's `+swiglu` sets it: the gate/up GEMM with the SwiGLU as its epilogue and the
-    # SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off until timed.
+    # SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off: the step ran
+    # slower with it (BENCHMARKS.md, calls M1-M2).
     fused_swiglu = False
 
     def __init__(self, args: DrafterArgs) -> None:
