@@ -1,11 +1,12 @@
-"""The Triton kernel of `swiglu.py` (imported on first use: the CPU build of torch has no Triton).
+"""The Triton kernels of `swiglu.py` (imported on first use: the CPU build of torch has no Triton).
 
 `swiglu_gemm` computes h = silu(x @ Wg^T) * (x @ Wu^T) for one tile of h at a time: both products
 accumulate in fp32 side by side over the same tiles of x, and the SwiGLU is the epilogue. The gate
 and up projections' outputs are not written (the separate GEMMs write 2 x M x N elements that a
 SwiGLU kernel reads back to write M x N), unless STORE_GU asks for them (a training forward, whose
 backward needs them): then the kernel writes them from its accumulators, and the read-back is still
-saved. Tiles come through tensor descriptors (TMA on Hopper and later). The programs walk the M x N
+saved. `swiglu_bwd_gemm` is the training backward's GEMM, dh = dy @ Wd with the SwiGLU's gradient as
+its epilogue. Tiles come through tensor descriptors (TMA on Hopper and later). The programs walk the M x N
 tiles in strides of their number (as many as tiles: one tile a program; as many as SMs: persistent
 programs), grouped GROUP_M tile rows at a time so that the weight tiles a group reads stay in L2."""
 
