@@ -23,7 +23,6 @@ from dflash_mp.model.attention import (
     resolve_backend,
 )
 from dflash_mp.model.block_attn import unsupported
-from dflash_mp.swiglu import swiglu_mlp
 from dflash_mp.triton_launch import shared_memory
 
 # Plain RoPE is computed here; the scaled types come from transformers' own init functions. Types
@@ -248,10 +247,7 @@ def drop_anchors(t: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    # bench/drafter_step.py's `+swiglu` sets it: the gate/up GEMM with the SwiGLU as its epilogue and the
-    # SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off: the step ran
-    # slower with it (BENCHMARKS.md, calls M1-M2).
-    fused_swiglu = False
+    _swiglu = None  # swiglu.swiglu_mlp while fused_swiglu is on
 
     def __init__(self, args: DrafterArgs) -> None:
         super().__init__()
@@ -259,9 +255,25 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
+    @property
+    def fused_swiglu(self) -> bool:
+        """bench/drafter_step.py's `+swiglu` turns it on: the gate/up GEMM with the SwiGLU as its epilogue
+        and the SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off: the
+        step ran slower with it (BENCHMARKS.md, calls M1-M2)."""
+        return self._swiglu is not None
+
+    @fused_swiglu.setter
+    def fused_swiglu(self, on: bool) -> None:
+        if on:  # imported on request: swiglu.py loads torch._dynamo, which a tool's start need not
+            from dflash_mp.swiglu import swiglu_mlp
+
+            self._swiglu = swiglu_mlp
+        else:
+            self._swiglu = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_swiglu:
-            return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if self._swiglu is not None:
+            return self._swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -24,7 +24,6 @@ from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
                         supports_flex)
 from .graph import ForwardGraph, unsupported as graph_unsupported
-from ..swiglu import gated_silu, mlp_forward
 from .weights import causal_lm_class, load_stage, random_init_seed, random_target, stage_memory_error, truncate
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,12 @@ class DeferredAdd(nn.Module):
     def __init__(self, layer: nn.Module, fused_swiglu: bool = False):
         super().__init__()
         self.layer = layer
-        self.fused_swiglu = fused_swiglu and gated_silu(layer.mlp)
+        self.mlp_forward = None
+        if fused_swiglu:  # imported on request: swiglu.py loads torch._dynamo, which a tool's start need not
+            from ..swiglu import gated_silu, mlp_forward
+
+            self.mlp_forward = mlp_forward if gated_silu(layer.mlp) else None
+        self.fused_swiglu = self.mlp_forward is not None
 
     def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
         h = residual + delta  # the previous layer's output
@@ -71,7 +75,7 @@ class DeferredAdd(nn.Module):
                             position_ids=position_ids, position_embeddings=position_embeddings)[0]
         mid = h + a
         x = layer.post_attention_layernorm(mid)
-        m = mlp_forward(layer.mlp, x) if self.fused_swiglu else layer.mlp(x)
+        m = self.mlp_forward(layer.mlp, x) if self.mlp_forward is not None else layer.mlp(x)
         return h, mid, (m[0] if isinstance(m, tuple) else m)
 
 
