@@ -51,7 +51,8 @@ def backward_fns(M: int, K: int, N: int, variants, dev) -> tuple[dict, object, i
 
     def silu_mul_grads(dh, gt, ut):  # what autograd asks of silu(g) * u, as Inductor compiles it
         s = torch.sigmoid(gt.float())
-        return ((dh * ut).float() * s * (1 + gt.float() * (1 - s))).to(gt.dtype), (dh * F.silu(gt)).to(ut.dtype)
+        dg = (dh * ut).float() * s * (1 + gt.float() * (1 - s))
+        return dg.to(gt.dtype), (dh * F.silu(gt)).to(ut.dtype)
 
     grads = torch.compile(silu_mul_grads, options={"triton.autotune_pointwise": False})
     fns = {"cuBLAS dh + Inductor SwiGLU backward": lambda: grads(torch.mm(dy, wd), gate, up),
@@ -80,7 +81,8 @@ def main() -> None:
                 else VARIANTS_BWD if a.backward else VARIANTS)
     if a.backward:
         fns, exact, flop = backward_fns(M, K, N, variants, dev)
-        return compare(fns, exact, flop, "cuBLAS dh + Inductor SwiGLU backward", a, "swiglu_bwd.json", (M, K, N))
+        return compare(fns, exact, flop, "cuBLAS dh + Inductor SwiGLU backward", a, "swiglu_bwd.json",
+                       (M, K, N))
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
     wg, wu = ((torch.randn(N, K, device=dev, generator=g) / K ** 0.5).to(torch.bfloat16) for _ in range(2))
@@ -101,7 +103,8 @@ def main() -> None:
         fns[f"triton {t}"] = (lambda t=t: swiglu_op(x, wg, wu, list(t)))
         if a.gate_up:  # against "separate", which writes the projections too
             fns[f"triton {t} +g,u"] = (lambda t=t: swiglu_gu_op(x, wg, wu, list(t))[0])
-    compare(fns, (exact,), 2 * M * K * 2 * N, "cuBLAS gate, up + Inductor SwiGLU", a, "swiglu_gemm.json", (M, K, N))
+    compare(fns, (exact,), 2 * M * K * 2 * N, "cuBLAS gate, up + Inductor SwiGLU", a, "swiglu_gemm.json",
+            (M, K, N))
 
 
 def compare(fns: dict, exact: tuple, flop: int, base_name: str, a, json_name: str, shape) -> None:
@@ -119,7 +122,8 @@ def compare(fns: dict, exact: tuple, flop: int, base_name: str, a, json_name: st
             continue
         outs = (out,) if isinstance(out, torch.Tensor) else out
         if len(outs) == len(exact):  # "alone" rows return what the fused path never writes
-            err[name] = max((o.float() - e).abs().max().item() / e.abs().max().item() for o, e in zip(outs, exact))
+            err[name] = max((o.float() - e).abs().max().item() / e.abs().max().item()
+                            for o, e in zip(outs, exact))
         timed(fn, 3, dev)
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(a.rounds):  # alternating, so a card's drift reaches every variant alike

@@ -17,8 +17,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 import triton_interp
 from dflash_mp import swiglu as swiglu_module
-from dflash_mp.swiglu import (TILES, TILES_BWD, fused_runs, gated_silu, swiglu, swiglu_bwd_op, swiglu_bwd_reference,
-                              swiglu_gu_op, swiglu_mlp, swiglu_op, swiglu_reference)
+from dflash_mp.swiglu import (TILES, TILES_BWD, fused_runs, gated_silu, swiglu, swiglu_bwd_op,
+                              swiglu_bwd_reference, swiglu_gu_op, swiglu_mlp, swiglu_op, swiglu_reference)
 
 CUDA = torch.device("cuda")
 # (M, K, N, tiles): M, N and K none a multiple of their tile; a group of tile rows past the last one.
@@ -186,7 +186,8 @@ def check_drafter() -> None:
     loss and every parameter's gradient."""
     import torch.nn.functional as F
 
-    from dflash_mp.model import DFlashDrafter, block_labels, build_blocks, dflash_loss, sample_anchors, slot_weights
+    from dflash_mp.model import (DFlashDrafter, block_labels, build_blocks, dflash_loss, sample_anchors,
+                                 slot_weights)
     from drafter_utils import tiny_args
 
     T, A, B, V, H = 96, 8, 8, 64, 32
