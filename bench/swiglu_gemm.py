@@ -18,7 +18,7 @@ SwiGLU's gradient as its epilogue, writing dg and du) against cuBLAS's dh and In
 backward, which write dh and read it back (2 x M x N elements); its errors are dg's and du's, the
 larger, against fp32.
 
-Prints a table and writes swiglu_gemm.json under $OUT (or bench/results)."""
+Prints a table and writes swiglu_gemm.json (`--backward`: swiglu_bwd.json) under $OUT (or bench/results)."""
 
 from __future__ import annotations
 
