@@ -30,6 +30,22 @@ class DictStore:
     def set(self, k, v):
         self.d[k] = v
 
+    def get(self, k):
+        return self.d[k]
+
+
+class UnansweredSetStore(DictStore):
+    """A TCPStore client as its server sees it: a set is sent and not answered, so it lands in the store
+    (`landed`, what other clients read) only once a later request of this client has been answered."""
+
+    def __init__(self):
+        super().__init__()
+        self.landed = {}
+
+    def get(self, k):
+        self.landed.update(self.d)
+        return self.d[k]
+
 
 def beat(n, phase="training", age=1.0, step=5, wait=None, reason="", pid=None, host="elsewhere"):
     return {"n": n, "host": host, "pid": pid or 1, "phase": phase, "detail": "", "age": age, "step": step,
@@ -69,6 +85,18 @@ def test_done_returns_once_the_watcher_has_left_the_store():
     t0 = time.monotonic()
     live.done()
     assert not live._thread.is_alive() and time.monotonic() - t0 < 3.0
+
+
+def test_the_last_beat_of_a_failed_or_finished_rank_has_landed_before_it_returns():
+    """A rank that fails (or finishes) exits right after its last beat: its peers may see its pid gone at
+    once. That beat must be in the store by then, or a survivor names the rank dead instead of quoting
+    why it failed (the suite saw drafter rank 2 blame drafter rank 1, which had named the frozen target)."""
+    for end, phase in ((lambda w: w.failed("drafter rank 1 failed: target rank 0 is frozen"), FAILED),
+                       (lambda w: w.done(), DONE)):
+        store = UnansweredSetStore()
+        w = Liveness(store, 1, 3, NAMES, LivenessConfig(stale_s=6.0), wait_s=6.0, exit_fn=lambda code: None)
+        end(w)
+        assert json.loads(store.landed["hb/1"])["phase"] == phase, store.landed
 
 
 def test_a_beat_that_stops_moving_is_dead_after_the_stale_bound_and_named():

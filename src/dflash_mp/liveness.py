@@ -170,7 +170,7 @@ class Liveness:
     def done(self) -> None:
         self._stop.set()
         self.phase(DONE)
-        self._beat()
+        self._beat(landed=True)
         self._join()
 
     def _join(self) -> None:
@@ -198,7 +198,7 @@ class Liveness:
         with self._lock:
             self._phase, self._reason, self._consequence = FAILED, reason[:400], consequence
         try:
-            self._beat()
+            self._beat(landed=True)
         except Exception:  # noqa: BLE001 - the store may be gone with the agent
             pass
 
@@ -232,9 +232,19 @@ class Liveness:
                     "wait": None if w is None else {"peer": w["peer"], "what": w["what"],
                                                     "for": round(now - w["since"], 1)}}
 
-    def _beat(self) -> None:
+    def _beat(self, landed: bool = False) -> None:
+        """Publish this rank's state. `landed`: return only once the store holds it (the last beat
+        before the process exits, FAILED or DONE). A TCPStore's set is not answered, so the process
+        could exit, and a peer see its pid gone, before the store has the beat that explains it; a
+        read on the same connection is answered after every earlier request of that connection."""
         self._count += 1
-        self.store.set(f"hb/{self.rank}", json.dumps(self._payload()))
+        key = f"hb/{self.rank}"
+        self.store.set(key, json.dumps(self._payload()))
+        if landed:
+            try:
+                self.store.get(key)
+            except Exception as e:  # noqa: BLE001 - the store gone after the set: exiting anyway
+                log.debug("liveness: store unreachable (%s)", e)
 
     def _run(self) -> None:
         last = time.monotonic()
