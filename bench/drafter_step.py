@@ -104,8 +104,11 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
                        sliding_window=p.get("window"))
     with torch.device(device):
         drafter = DFlashDrafter(args)
-    for layer in drafter.layers:
-        layer.mlp.fused_swiglu = "swiglu" in flags
+    if "swiglu" in flags:
+        from dflash_mp.swiglu import swiglu_mlp
+
+        for layer in drafter.layers:
+            layer.mlp.fused = swiglu_mlp
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device).manual_seed(1)
     embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)

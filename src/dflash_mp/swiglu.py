@@ -58,25 +58,32 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _tiled_launch(kernel, tiles: list[int], M: int, N: int, device: torch.device, args: tuple,
+                  **meta) -> None:
+    """`kernel` over the tiles of an `[M, N]` output (TILES' order): one program a tile, or as many
+    persistent programs as SMs walking them."""
+    bm, bn, bk, group, warps, stages, persistent = tiles
+    num_tiles = -(-M // bm) * -(-N // bn)
+    grid = min(num_tiles, sm_count(device)) if persistent else num_tiles
+    launch(kernel, (grid,), args,
+           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent), **meta),
+           warps, stages, device)
+
+
 def _swiglu_launch(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, tiles: list[int],
                    store_gu: bool) -> list[torch.Tensor]:
     """[h] or, with `store_gu`, [h, x wg^T, x wu^T]: the kernel's outputs, each `[M, N]` in x's dtype."""
-    bm, bn, bk, group, warps, stages, persistent = tiles
+    bm, bn, bk = tiles[:3]
     M, K = x.shape
     N = wg.shape[0]
     x, wg, wu = (t.contiguous() for t in (x, wg, wu))
     outs = [torch.empty(M, N, dtype=x.dtype, device=x.device) for _ in range(3 if store_gu else 1)]
     from .swiglu_triton import swiglu_gemm
 
-    num_tiles = -(-M // bm) * -(-N // bn)
-    grid = min(num_tiles, sm_count(x.device)) if persistent else num_tiles
     h, *gu = (descriptor(o, [bm, bn]) for o in outs)
     g, u = gu or (h, h)  # unread without STORE_GU: h's descriptor stands in
-    launch(swiglu_gemm, (grid,),
-           (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]), h, g, u, M, N, K),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent),
-                STORE_GU=store_gu),
-           warps, stages, x.device)
+    inputs = (descriptor(x, [bm, bk]), descriptor(wg, [bn, bk]), descriptor(wu, [bn, bk]))
+    _tiled_launch(swiglu_gemm, tiles, M, N, x.device, (*inputs, h, g, u, M, N, K), STORE_GU=store_gu)
     return outs
 
 
@@ -110,20 +117,16 @@ def _swiglu_bwd_launch(dy: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, u: t
                        tiles: list[int]) -> list[torch.Tensor]:
     """[dg, du], each `[M, N]` like g: the gradients of silu(g) * u given dy `[M, K]` and the down
     projection's weight wd `[K, N]` (dh = dy wd, never written)."""
-    bm, bn, bk, group, warps, stages, persistent = tiles
+    bm, bn, bk = tiles[:3]
     M, K = dy.shape
     N = wd.shape[1]
     dy, wd, g, u = (t.contiguous() for t in (dy, wd, g, u))
     outs = [torch.empty(M, N, dtype=dy.dtype, device=dy.device) for _ in range(2)]
     from .swiglu_triton import swiglu_bwd_gemm
 
-    num_tiles = -(-M // bm) * -(-N // bn)
-    grid = min(num_tiles, sm_count(dy.device)) if persistent else num_tiles
     tiles_mn = [descriptor(t, [bm, bn]) for t in (g, u, *outs)]
-    launch(swiglu_bwd_gemm, (grid,),
-           (descriptor(dy, [bm, bk]), descriptor(wd, [bk, bn]), *tiles_mn, M, N, K),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=bool(persistent)),
-           warps, stages, dy.device)
+    _tiled_launch(swiglu_bwd_gemm, tiles, M, N, dy.device,
+                  (descriptor(dy, [bm, bk]), descriptor(wd, [bk, bn]), *tiles_mn, M, N, K))
     return outs
 
 

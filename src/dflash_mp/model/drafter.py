@@ -247,7 +247,10 @@ def drop_anchors(t: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    _swiglu = None  # swiglu.swiglu_mlp while fused_swiglu is on
+    # The MLP as one function of (x, gate, up and down weights) in place of the modules' own ops:
+    # bench/drafter_step.py's `+swiglu` sets swiglu.swiglu_mlp (the SwiGLU inside the GEMMs, forward and
+    # backward). Off: the step ran slower with it (BENCHMARKS.md, calls M1-M2).
+    fused = None
 
     def __init__(self, args: DrafterArgs) -> None:
         super().__init__()
@@ -255,25 +258,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    @property
-    def fused_swiglu(self) -> bool:
-        """bench/drafter_step.py's `+swiglu` turns it on: the gate/up GEMM with the SwiGLU as its epilogue
-        and the SwiGLU's gradient in the down projection's backward GEMM (swiglu.swiglu_mlp). Off: the
-        step ran slower with it (BENCHMARKS.md, calls M1-M2)."""
-        return self._swiglu is not None
-
-    @fused_swiglu.setter
-    def fused_swiglu(self, on: bool) -> None:
-        if on:  # imported on request: swiglu.py loads torch._dynamo, which a tool's start need not
-            from dflash_mp.swiglu import swiglu_mlp
-
-            self._swiglu = swiglu_mlp
-        else:
-            self._swiglu = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._swiglu is not None:
-            return self._swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if self.fused is not None:
+            return self.fused(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -66,7 +66,10 @@ class DeferredAdd(nn.Module):
             from ..swiglu import gated_silu, mlp_forward
 
             self.mlp_forward = mlp_forward if gated_silu(layer.mlp) else None
-        self.fused_swiglu = self.mlp_forward is not None
+
+    @property
+    def fused_swiglu(self) -> bool:
+        return self.mlp_forward is not None
 
     def forward(self, residual, delta, attention_mask, position_ids, position_embeddings):
         h = residual + delta  # the previous layer's output
