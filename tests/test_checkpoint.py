@@ -157,6 +157,40 @@ def _cpu_save_on_a_cuda_machine(rank, world, root):
     return sorted(ckpt.load_file(cp.resolve("auto")[1], ckpt.rng_file(rank)))
 
 
+def _guarded_save(rank, world, root):
+    """The leader comes to the save 1 s late; what each rank's guard (a stop's protect) saw."""
+    import contextlib
+    import time
+
+    import torch.distributed as dist
+
+    held = []
+
+    @contextlib.contextmanager
+    def guard(what):
+        t0 = time.monotonic()
+        yield
+        held.append((what, time.monotonic() - t0))
+
+    cp = ckpt.Checkpointer(root, rank, rank == 0, dist.group.WORLD, keep=2, guard=guard)
+    if rank == 0:
+        time.sleep(1.0)
+    cp.save(torch.nn.Linear(4, 2), 2, 10, wait=True)
+    return held
+
+
+def test_every_rank_waits_for_the_checkpoint_collective_under_the_stops_guard(tmp_path):
+    """A drafter waiting at the save's barrier for the leader (behind its previous write, say) is inside
+    the checkpoint: a stop's grace must not end it there (the suite saw drafter rank 2 exit 1 so)."""
+    from dist_utils import run_ranks
+
+    lead, other = run_ranks(_guarded_save, 2, str(tmp_path), timeout=60)
+    assert [w for w, _ in other] == ["the checkpoint of step 2"], other
+    assert other[0][1] >= 0.8, other  # held across its wait for the late leader
+    assert "the checkpoint of step 2" in [w for w, _ in lead] and "writing the checkpoint of step 2" in [
+        w for w, _ in lead], lead
+
+
 def test_a_cpu_rank_saves_without_touching_cuda_on_a_machine_with_a_gpu(tmp_path):
     from dist_utils import run_ranks
 

@@ -260,7 +260,15 @@ class Checkpointer:
 
     def save(self, state, step: int, num_steps: int, wait: bool = False) -> None:
         """Collective over `group`: every drafter rank calls it at the same step. Returns once the
-        state is copied (the leader's write goes on in the background), or written with `wait`."""
+        state is copied (the leader's write goes on in the background), or written with `wait`. The
+        collective runs under `guard` on every rank: a rank at the barrier waits for the leader's
+        previous write, which a stop lets finish, so the stop must not cut the waiting rank short."""
+        with self.guard(f"the checkpoint of step {step}"):
+            self._save(state, step, num_steps)
+        if wait:
+            self.wait()
+
+    def _save(self, state, step: int, num_steps: int) -> None:
         t0 = time.monotonic()  # the pause counts the wait for the previous write too
         self.wait()
         waited = time.monotonic() - t0
@@ -290,8 +298,6 @@ class Checkpointer:
             self._writer.start()
         else:
             self.last_s = time.monotonic() - t0
-        if wait:
-            self.wait()
 
     def _write(self, data: dict, tmp: str, step: int, manifest: dict, t0: float) -> None:
         try:
