@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_ranks
 
 from dflash_mp.model import DFlashDrafter, DrafterArgs
-from dflash_mp.optim import FlatAdamW, adamw_update, halves_of, master_of
+from dflash_mp.optim import FlatAdamW, adamw_update, halves_of, held_bytes_per_param, master_of
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -19,7 +19,7 @@ ARGS = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num
 
 
 def _trainer(grad_clip: float = 1.0, precision: str = "fp32", group=None, direct: bool = True, layers: int = 1,
-             overlap: bool = True, write_grads: bool = True) -> DrafterTrainer:
+             overlap: bool = True, write_grads: bool = True, split_master: bool = True) -> DrafterTrainer:
     args = DrafterArgs(**{**ARGS, "num_layers": layers})
     torch.manual_seed(0)
     obj = DFlashObjective(DFlashDrafter(args), args, torch.randn(128, 32) * 0.02, torch.randn(128, 32) * 0.02,
@@ -27,7 +27,8 @@ def _trainer(grad_clip: float = 1.0, precision: str = "fp32", group=None, direct
                                         loss_chunk_size=16))
     cfg = TrainConfig(compile="eager", warmup_ratio=0.0, lr=1e-2, grad_clip=grad_clip, weight_decay=0.1,
                       precision=precision, optimizer_overlap=overlap)
-    return DrafterTrainer(obj, cfg, 10, group, torch.device("cpu"), write_grads=write_grads, direct_grads=direct)
+    return DrafterTrainer(obj, cfg, 10, group, torch.device("cpu"), write_grads=write_grads,
+                          direct_grads=direct, split_master=split_master)
 
 
 def _batch(seed: int = 0):
@@ -465,7 +466,8 @@ def _rank_bf16_step(rank, world_size):
     tr.opt.allreduce()
     summed = tr.opt._grad().clone()
     tr.optimizer_step()
-    return own, summed, tr.opt.master.clone(), float(tr.stats.pop()["gnorm_sum"])
+    held = (tr.opt.held_bytes, sum(p.numel() for p in tr.opt.params))
+    return own, summed, tr.opt.master.clone(), float(tr.stats.pop()["gnorm_sum"]), held
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -501,7 +503,8 @@ def test_a_cpu_step_never_calls_into_torch_cuda(monkeypatch):
 
 
 def test_bf16_gradients_are_averaged_in_fp32_across_ranks():
-    (g0, s0, m0, n0), (g1, s1, m1, n1) = run_ranks(_rank_bf16_step, 2, timeout=120)
+    (g0, s0, m0, n0, (held, n)), (g1, s1, m1, n1, _) = run_ranks(_rank_bf16_step, 2, timeout=120)
+    assert held == n * held_bytes_per_param(torch.bfloat16, replicas=2)  # the planner's memory floor
     assert g0.dtype == torch.bfloat16 and s0.dtype == torch.float32
     assert not torch.equal(g0, g1)  # different batches
     expected = g0.float() + g1.float()  # exact in fp32
@@ -509,6 +512,19 @@ def test_bf16_gradients_are_averaged_in_fp32_across_ranks():
     assert torch.equal(m0, m1)  # every replica took the same step
     mean_norm = float(torch.linalg.vector_norm(expected / 2))
     assert abs(n0 - mean_norm) <= 1e-5 * mean_norm and n0 == n1
+
+
+@pytest.mark.parametrize("precision,direct,split", [("fp32", True, True), ("bf16", True, True),
+                                                    ("bf16", False, True), ("bf16", True, False)])
+def test_the_planner_counts_the_bytes_the_optimizer_and_the_gradients_hold(precision, direct, split):
+    """`held_bytes_per_param` (the planner's memory floor, plan.memory_floor) against the tensors one
+    replica holds after a backward: its buffers and the gradients, `.grad` (direct) or the flat buffer."""
+    tr = _trainer(precision=precision, direct=direct, split_master=split)  # not split: a separate fp32 master
+    tr.set_lr()
+    tr.forward_backward(_batch())
+    assert tr.opt.split == (split and precision == "bf16") and tr.opt.direct == direct
+    n = sum(p.numel() for p in tr.opt.params)
+    assert tr.opt.held_bytes == n * held_bytes_per_param(tr.opt.work.dtype, split)
 
 
 def test_update_in_segments_equals_one_update_and_follows_the_forward():

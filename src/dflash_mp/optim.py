@@ -139,6 +139,19 @@ def _norms_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
+def held_bytes_per_param(dtype: torch.dtype, split_master: bool = True, replicas: int = 1) -> int:
+    """Bytes FlatAdamW holds per trainable parameter, the gradient included (`FlatAdamW.held_bytes`):
+    the master (fp32, or with bf16 working weights split: its int16 lower half), the working weights
+    (none in fp32: they are the master), the gradient in the working dtype (`.grad` or the flat
+    buffer), the two fp32 moments, and with 2+ replicas of a low-precision dtype the fp32 buffer the
+    gradients are summed in."""
+    size = dtype.itemsize
+    master = 2 if split_master and dtype == torch.bfloat16 else 4
+    work = 0 if dtype == torch.float32 else size
+    summed = 4 if replicas > 1 and dtype != torch.float32 else 0
+    return master + work + size + 4 + 4 + summed
+
+
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all `tensors` together, accumulated in fp32 (0-d)."""
     return torch.linalg.vector_norm(torch.stack(_norms_fp32(tensors)))
@@ -519,6 +532,16 @@ class FlatAdamW:
             self._write_master([master[name] for name in self.names])
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 getattr(self, k).copy_(state[k])
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the buffers this optimizer holds, plus the gradients where autograd leaves them
+        (direct: the `.grad` tensors present now; flat: its buffer)."""
+        out = [self._master, self.exp_avg, self.exp_avg_sq]
+        out += [self.work] if self.work is not self._master else []
+        out += [self._reduce] if self._reduce is not None else []
+        out += [p.grad for p in self.params if p.grad is not None] if self.direct else [self.grad]
+        return sum(t.nbytes for t in out)
 
     @property
     def num_bytes_per_step(self) -> float:

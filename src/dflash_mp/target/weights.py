@@ -3,6 +3,7 @@ never read), truncated after the last captured layer; and the embedding and LM h
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -139,13 +140,14 @@ def causal_lm_class(path: str, config=None) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def _stage_class(path: str, first: int, end: int, keep_norm: bool):
+def _stage_class(source, first: int, end: int, keep_norm: bool):
     """(config, class) of the model load_stage builds: the checkpoint's causal LM class, which keeps
-    decoder layers [first, end) only (`strip_to_stage`)."""
+    decoder layers [first, end) only (`strip_to_stage`). `source`: the checkpoint's path, or its
+    transformers config (a copy is changed)."""
     from transformers import AutoConfig
 
-    config = _untied(AutoConfig.from_pretrained(path))
-    base = causal_lm_class(path, config)
+    config = _untied(AutoConfig.from_pretrained(source) if isinstance(source, str) else copy.deepcopy(source))
+    base = causal_lm_class(source, config)
     text = (getattr(config, "sub_configs", None) or {}).get("text_config")
     if text is not None and getattr(base, "config_class", None) is text:
         config = config.get_text_config()  # a multimodal checkpoint's decoder class takes the text config, as Auto
@@ -170,13 +172,14 @@ def load_stage(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dt
     return stage.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn)
 
 
-def stage_weight_bytes(path: str, first: int, end: int, keep_norm: bool, dtype: torch.dtype) -> int:
-    """Bytes of the weights a target rank holds for decoder layers [first, end) of the target at `path`
-    (a checkpoint or a random-weight target: the same modules) in `dtype`, the embedding on a first
-    stage included: its model built on the meta device, which allocates nothing and reads no weight
-    file, so it is exact for every architecture transformers builds (a fraction of a second for
-    27-235B configs once the model's module is imported, which the load does anyway)."""
-    config, stage = _stage_class(path, first, end, keep_norm)
+def stage_weight_bytes(source, first: int, end: int, keep_norm: bool, dtype: torch.dtype) -> int:
+    """Bytes of the weights a target rank holds for decoder layers [first, end) of the target at `source`
+    (a checkpoint's path, a random-weight target's, or a transformers config: the same modules) in
+    `dtype`, the embedding on a first stage included: its model built on the meta device, which
+    allocates nothing and reads no weight file, so it is exact for every architecture transformers
+    builds (a fraction of a second for 27-235B configs once the model's module is imported, which the
+    load does anyway)."""
+    config, stage = _stage_class(source, first, end, keep_norm)
     with torch.device("meta"):
         model = stage(config)
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
