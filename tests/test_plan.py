@@ -6,8 +6,9 @@ import pytest
 from dflash_mp import split
 from dflash_mp.config import compose
 from dflash_mp.flops import DrafterShape
-from dflash_mp.plan import PlanConfig, format_report, planned_ids, target_config_for
+from dflash_mp.plan import PlanConfig, format_report, memory_floor, planned_ids, target_config_for
 from dflash_mp.split import (
+    GIB,
     Layout,
     best_whole_split,
     fluid_bound,
@@ -104,9 +105,80 @@ def test_one_gpu_has_one_layout_a_target_and_a_drafter_taking_turns():
     text = format_report(1, t, d, [only], 3072)
     assert "one GPU: 5.3" in text and "1 GPU shared by a target and a drafter (36% target)" in text
     assert "torchrun --nproc-per-node 2" in text and "whole-GPU" not in text
-    assert text.splitlines()[-1].startswith("memory is not estimated")  # a 1 + 1 may not fit one GPU
+    assert text.splitlines()[-1].startswith("memory is not checked")  # no GPU's memory: a 1 + 1 may not fit
+    # With the job's memory floor and a GPU: a 1 + 1 over the GPU is no layout, and the fix is more GPUs.
+    floor = split.MemoryFloor(target=13 * GIB, drafter=16 * GIB, drafter_dp=20 * GIB)
+    text = format_report(1, t, d, [only], 3072, floor=floor, gpu=24 * GIB, gpu_from="plan.gpu_memory_gib=24")
+    assert ("does not fit (a GPU holding a target and a drafter holds >= 29.0 GiB, the GPU 24.0)" in text
+            and "torchrun" not in text and "no layout fits on 1 GPU" in text and "use 2 or more GPUs" in text)
+    assert "<- the only layout" in format_report(1, t, d, [only], 3072, floor=floor, gpu=29 * GIB)
     with pytest.raises(ValueError, match="world_size=1 has no room for one target replica of target.stages=2"):
         plan_layouts(1, t, d, stages=2)
+
+
+def test_memory_floor_of_a_layout_by_hand():
+    """The most any GPU of a layout holds: a target rank, a drafter rank (one of several: the data-parallel
+    sum's buffer besides), or both on a shared GPU."""
+    f = split.MemoryFloor(target=40 * GIB, drafter=20 * GIB, drafter_dp=25 * GIB)
+    assert f.per_gpu(Layout(7, 1, 0, 0.0, 1.0)) == 40 * GIB  # the only drafter rank holds 20
+    assert f.per_gpu(Layout(4, 3, 1, 0.1, 1.0)) == 65 * GIB  # the shared GPU's drafter is one of 4
+    assert f.per_gpu(Layout(0, 0, 1, 0.5, 1.0)) == 60 * GIB  # one GPU: the only drafter
+    assert f.per_gpu(Layout(0, 0, 8, 0.5, 1.0)) == 65 * GIB
+    assert f.misfit(Layout(4, 3, 1, 0.1, 1.0), 65 * GIB) is None
+    assert f.misfit(Layout(4, 3, 1, 0.1, 1.0), 64 * GIB) == ("a GPU holding a target and a drafter holds >= "
+                                                             "65.0 GiB, the GPU 64.0")
+    assert f.misfit(Layout(4, 4, 0, 0.0, 1.0), 39 * GIB) == "a target rank holds >= 40.0 GiB, the GPU 39.0"
+    big = split.MemoryFloor(target=10 * GIB, drafter=50 * GIB, drafter_dp=60 * GIB)
+    assert big.misfit(Layout(4, 4, 0, 0.0, 1.0), 55 * GIB) == "a drafter rank holds >= 60.0 GiB, the GPU 55.0"
+    assert big.misfit(Layout(7, 1, 0, 0.0, 1.0), 55 * GIB) is None
+
+
+def test_memory_floor_of_the_8b_job_counted_by_hand():
+    """plan.memory_floor builds the target and drafter on the meta device; Qwen3-8B's weights by hand:
+    the target truncated after layer 33 (34 layers, the embedding, the final norm, no LM head), the
+    drafter's 5 layers, its fc over the 5 captured layers and 2 norms at 14 bytes a parameter (bf16
+    working weights with the split master, their gradients, two fp32 moments; 18 with 2+ replicas),
+    plus the target's embedding and LM head it reads."""
+    job = compose(["experiment=qwen3_8b"])
+    tcfg = target_config_for(job)
+    spec = TargetSpec.from_config(tcfg)
+    ids, mask = planned_ids(job, tcfg, spec)
+    floor = memory_floor(job, tcfg, spec, ids, mask, [(0, max(ids) + 1)])
+    H, I, V, q, kv = 4096, 12288, 151936, 32 * 128, 8 * 128
+    layer = 2 * H * q + 2 * H * kv + 3 * H * I + 2 * H + 2 * 128  # q, o; k, v; the MLP; 2 norms; q/k norms
+    assert max(ids) == 33 and len(ids) == 5
+    assert floor.target == 2 * (34 * layer + V * H + H)
+    n = 5 * layer + 5 * H * H + 2 * H
+    assert floor.drafter == 14 * n + 2 * 2 * V * H
+    assert floor.drafter_dp == 18 * n + 2 * 2 * V * H
+    staged = memory_floor(job, tcfg, spec, ids, mask, [(0, 17), (17, 34)])
+    assert staged.target == 2 * (17 * layer + V * H)  # the first stage: the embedding, no final norm
+
+
+def test_cli_checks_the_layouts_against_a_gpu_s_memory(capsys):
+    """Qwen3.5-27B on 8 GPUs: 80 GB cards hold no target and drafter together, so the best layout that
+    fits is a whole-GPU split and no shared launch is offered; 141 GB cards hold both."""
+    from dflash_mp.plan import main
+
+    main(["experiment=qwen3_5_27b", "plan.world_size=8", "plan.gpu_memory_gib=79.2"])
+    out = capsys.readouterr().out
+    layouts = [ln.strip() for ln in out.splitlines() if ln.startswith("  ") and "GPU" in ln]
+    shared = [ln for ln in layouts if "shared" in ln]
+    assert len(layouts) == 13 and len(shared) == 6
+    assert all("(does not fit: a GPU holding a target and a drafter holds >= " in ln for ln in shared)
+    assert "4 target + 4 drafter GPUs  <- best" in out and "best overall shares" not in out
+    assert "recommended whole-GPU split: topology.num_target_ranks=4 (torchrun --nproc-per-node 8)" in out
+    assert "checked against 79.2 GiB a GPU (plan.gpu_memory_gib=79.2): 7 of 13 layouts fit" in out
+    main(["experiment=qwen3_5_27b", "plan.world_size=8", "plan.gpu_memory_gib=139.8"])
+    out = capsys.readouterr().out
+    assert "does not fit" not in out and "best overall shares one GPU: torchrun --nproc-per-node 9" in out
+    # Qwen3-235B-A22B's 4 stages hold more than an 80 GB card each: no layout, and the fix.
+    main(["experiment=qwen3_235b_a22b", "plan.world_size=8", "plan.gpu_memory_gib=79.2"])
+    out = capsys.readouterr().out
+    assert "no layout fits: a target rank's weights alone hold" in out and "target.stages (now 4;" in out
+    assert "recommended" not in out and "<- best" not in out
+    with pytest.raises(ValueError, match=r"plan.gpu_memory_gib=0: give a GPU's memory in GiB"):
+        main(["experiment=qwen3_8b", "plan.gpu_memory_gib=0"])
 
 
 def test_bad_inputs():

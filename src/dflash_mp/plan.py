@@ -2,6 +2,7 @@
 
     python -m dflash_mp.plan experiment=qwen3_8b plan.world_size=8 [data.seq_len=3072]
         [plan.peak_tflops=790] [plan.target_mfu=0.6 plan.drafter_mfu=0.5] [plan.measure=true]
+        [plan.gpu_memory_gib=79.2]
 
 A "sample" is one packed batch of `data.seq_len` tokens: a target rank produces samples, a drafter
 rank consumes one per step. Per-GPU rates come from the model FLOPs of `dflash_mp.flops` against
@@ -14,9 +15,16 @@ With `target.stages=S > 1` a target replica spans S GPUs and delivers about `S *
 samples/s (`t` the one-GPU rate of the whole truncated target, `balance` the stage plan's mean/max
 stage cost, `stages.plan_stages`): only whole splits into replicas of S GPUs are considered.
 
-The rate model and the layouts are `dflash_mp.split` (below the start-up, which asks it for
-`num_target_ranks=auto`); this module is the command on top: it reads the job, derives the target's
-captured layers and mask token as a run does (`runtime.validate`), and prints the report.
+Each layout is checked against one GPU's memory (`plan.gpu_memory_gib`, else this machine's GPU):
+what its processes hold before their first step (`split.MemoryFloor`: a target rank's weights, a
+drafter rank's weights with their master, gradients and AdamW moments and the target's embedding and
+LM head, counted on the meta device) must fit each GPU; a layout over it is marked and never
+recommended. Activations come on top, so a layout under the floor may still run out of memory, and
+the job's error then names the fix.
+
+The rate model, the layouts and the floor's arithmetic are `dflash_mp.split` (below the start-up, which
+asks it for `num_target_ranks=auto`); this module is the command on top: it reads the job, derives the
+target's captured layers and mask token as a run does (`runtime.validate`), and prints the report.
 """
 
 from __future__ import annotations
@@ -28,15 +36,18 @@ from typing import Optional
 
 import torch
 
-from .archs import TARGET_ARCHS, known_target_config
+from .archs import TARGET_ARCHS, hf_config, known_target_config
 from .batch import HiddenBatch, PackedBatch
 from .cli import entry, tool_main
 from .model import DFlashDrafter
+from .optim import held_bytes_per_param
 from .runtime import pick_device, resolve, validate
-from .split import DRAFTER_MFU, TARGET_MFU, Layout, best_whole_split, fluid_bound, job_workload, plan_layouts
+from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, fluid_bound, job_workload,
+                    plan_layouts)
 from .stages import plan_stages
 from .target import TargetSpec, TargetWorker, load_target_config, resolve_dtype, truncate
-from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args
+from .target.weights import stage_weight_bytes
+from .trainer import DFlashObjective, DrafterTrainer, build_drafter_args, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,43 @@ def target_config_for(job) -> dict:
     """The target's config.json fields of a resolved job (runtime.resolve): from the table for known
     hub ids, else read (no weights)."""
     return known_target_config(job.target.path) or load_target_config(job.target.path)
+
+
+def memory_floor(job, target_config: dict, spec: TargetSpec, layer_ids: list[int], mask_token_id: int,
+                 bounds: list[tuple[int, int]]) -> MemoryFloor:
+    """What the job's processes hold on GPUs before their first step (`split.MemoryFloor`), its dtypes
+    resolved as on CUDA. `bounds`: the target's stages, [first, end) each. The target's stages and the
+    drafter are built on the meta device, which allocates nothing: exact for every architecture
+    transformers builds. The table's dense targets carry no model type and are counted as Qwen3's
+    modules (a Llama layer of the same shapes holds the same weights but the q/k norms' 256)."""
+    cuda = torch.device("cuda")
+    dtype = resolve_dtype(job.target.dtype, cuda)
+    config = hf_config({"model_type": "qwen3", **target_config})
+    last = max(layer_ids)
+    target = max(stage_weight_bytes(config, first, end, end == last + 1, dtype) for first, end in bounds)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(build_drafter_args(job.drafter, spec, layer_ids, mask_token_id))
+    n = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    work = torch.bfloat16 if resolve_precision(job.train.precision, cuda) == "bf16" else torch.float32
+    # The target's embedding and LM head the drafter reads (frozen): one tensor where they are tied.
+    frozen = ((1 if target_config.get("tie_word_embeddings") else 2) * target_config["vocab_size"]
+              * target_config["hidden_size"] * dtype.itemsize)
+    return MemoryFloor(target, n * held_bytes_per_param(work) + frozen,
+                       n * held_bytes_per_param(work, replicas=2) + frozen)
+
+
+def gpu_memory(gib: float | None) -> tuple[float | None, str]:
+    """(bytes of one GPU's memory, where the figure comes from): `plan.gpu_memory_gib`, else this
+    machine's first GPU, else (None, "")."""
+    if gib is not None:
+        if gib <= 0:
+            raise ValueError(f"plan.gpu_memory_gib={gib:g}: give a GPU's memory in GiB (80 GB cards: 79.2), "
+                             "or null for this machine's GPU.")
+        return gib * GIB, f"plan.gpu_memory_gib={gib:g}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"this machine's {props.name}"
+    return None, ""
 
 
 # --------------------------------------------------------------------------------------- measure
@@ -133,28 +181,75 @@ class PlanConfig:
     # 0.997-1.007 of what the two parts allow alone, measured for the 8B job on one H200 (BENCHMARKS.md)
     turns_efficiency: float = 1.0
     measure: bool = False  # time both on the local accelerator instead of estimating from FLOPs
+    # One GPU's memory (GiB) the layouts are checked against; null: this machine's GPU, if it has one.
+    gpu_memory_gib: Optional[float] = None
 
 
-# What the report cannot promise: the layouts are ranked by FLOPs, not checked against a GPU's memory.
-MEMORY_CAVEAT = ("memory is not estimated: processes that do not fit a GPU together stop with an out-of-memory "
-                 "error naming the fix (e.g. the 27B preset's target and drafter need more than one 80 GB GPU)")
+# What the report cannot promise where it knows no GPU's memory.
+MEMORY_CAVEAT = ("memory is not checked: no GPU's memory is known here (set plan.gpu_memory_gib); processes "
+                 "that do not fit a GPU stop with an out-of-memory error naming the fix")
 
 
 def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int = 1,
-                  balance: float = 1.0) -> str:
-    return "\n".join(_layouts_lines(world, t, d, layouts, seq_len, stages, balance) + [MEMORY_CAVEAT])
+                  balance: float = 1.0, floor: MemoryFloor | None = None, gpu: float | None = None,
+                  gpu_from: str = "") -> str:
+    """The report: rates, layouts best first (with `floor` and `gpu`, bytes of one GPU's memory, those
+    whose floor does not fit are marked and never recommended), the launch, and the memory floor."""
+    def fits(lay: Layout) -> bool:
+        return floor is None or gpu is None or floor.misfit(lay, gpu) is None
+
+    lines = _layouts_lines(world, t, d, layouts, seq_len, stages, balance, floor, gpu)
+    if floor is not None:
+        stage = " (its largest stage)" if stages > 1 else ""
+        lines.append(f"memory floor before the first step: a target rank {floor.target / GIB:.1f} GiB"
+                     f"{stage}, a drafter rank {floor.drafter / GIB:.1f} GiB "
+                     f"({floor.drafter_dp / GIB:.1f} as one of several): weights, a drafter's master, "
+                     "gradients and AdamW moments, and the target's embedding and LM head; activations come "
+                     "on top")
+    if floor is None or gpu is None:
+        return "\n".join(lines + [MEMORY_CAVEAT])
+    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): "
+                 f"{sum(map(fits, layouts))} of {len(layouts)} layouts fit")
+    if not any(map(fits, layouts)):
+        lines.append(_no_fit(floor, gpu, stages, world))
+    return "\n".join(lines)
+
+
+def _no_fit(floor: MemoryFloor, gpu: float, stages: int, world: int) -> str:
+    """The fix when no layout's floor fits GPUs of `gpu` bytes."""
+    if floor.target > gpu:
+        return (f"no layout fits: a target rank's weights alone hold {floor.target / GIB:.1f} GiB: split the "
+                f"target over more GPUs with a larger target.stages (now {stages}; each stage holds only its "
+                "layers), or use GPUs with more memory")
+    if floor.drafter > gpu:
+        return (f"no layout fits: a drafter rank holds {floor.drafter / GIB:.1f} GiB before its first step: "
+                "use GPUs with more memory, or a smaller drafter (drafter.num_layers)")
+    gpus = f"{world} GPU{'s' if world > 1 else ''}"
+    return (f"no layout fits on {gpus}: a target and a drafter rank need a GPU each (together "
+            f"{(floor.target + floor.drafter) / GIB:.1f} GiB): use 2 or more GPUs")
 
 
 def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int,
-                   balance: float) -> list[str]:
-    best = layouts[0]
+                   balance: float, floor: MemoryFloor | None = None, gpu: float | None = None) -> list[str]:
+    def misfit(lay: Layout) -> str | None:
+        return None if floor is None or gpu is None else floor.misfit(lay, gpu)
+
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
     if world == 1:
+        only = layouts[0]
+        why = misfit(only)
+        if why is not None:
+            return lines + [f"one GPU: {only.describe()} does not fit ({why})"]
         return lines + [
-            f"one GPU: {best.samples_per_s:.4g} samples/s, {best.describe()}  <- the only layout",
+            f"one GPU: {only.samples_per_s:.4g} samples/s, {only.describe()}  <- the only layout",
             "launch: torchrun --nproc-per-node 2 -m dflash_mp.main ...  (target rank 0 and drafter rank 1 share "
             "the GPU over the shm ring and take turns at it: topology.gpu_turns=auto)"]
-    whole = best_whole_split(world, t, d, stages, balance)
+    fitting = [lay for lay in layouts if misfit(lay) is None]
+    best = fitting[0] if fitting else None
+    # The best whole-GPU split that fits, as best_whole_split ranks them (what num_target_ranks=auto picks).
+    wholes = [lay for lay in fitting if not lay.shared_gpus]
+    whole = (max(wholes, key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
+             if wholes else None)
     if stages > 1:
         lines.append(f"per target replica of {stages} stages: {stages * t * balance:.4g} samples/s "
                      f"(stage balance {balance:.2f})")
@@ -163,14 +258,19 @@ def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_le
         "layouts considered (predicted samples/s):",
     ]
     for lay in layouts:
-        mark = "  <- best" if lay is best else ""
+        why = misfit(lay)
+        mark = "  <- best" if lay is best else f"  (does not fit: {why})" if why else ""
         lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
+    if whole is None:
+        return lines
     if stages > 1:
         lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} target.stages={stages} "
                      f"({whole // stages} replica(s); torchrun --nproc-per-node {world})")
     else:
         lines.append(f"recommended whole-GPU split: topology.num_target_ranks={whole} "
                      f"(torchrun --nproc-per-node {world})")
+    if best is None:
+        return lines
     if best.shared_gpus > 1:
         lines.append(
             f"best overall shares every GPU: torchrun --nproc-per-node {best.num_processes} ... "
@@ -186,6 +286,7 @@ def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_le
 
 
 def run_plan(job, opts: PlanConfig) -> None:
+    gpu, gpu_from = gpu_memory(opts.gpu_memory_gib)
     job = resolve(job)  # builtin names -> real paths
     peak = job.logging.peak_tflops if opts.peak_tflops is None else opts.peak_tflops
     tcfg = target_config_for(job)
@@ -206,7 +307,9 @@ def run_plan(job, opts: PlanConfig) -> None:
         balance = stage_plan.balance()
         print(f"target.stages={stages}: {stage_plan.describe()}")
     layouts = plan_layouts(world, t, d, opts.shared_efficiency, stages, balance, opts.turns_efficiency)
-    print(format_report(world, t, d, layouts, job.data.seq_len, stages, balance))
+    bounds = list(stage_plan.bounds) if stages > 1 else [(0, max(layer_ids) + 1)]
+    floor = memory_floor(job, tcfg, spec, layer_ids, mask, bounds)
+    print(format_report(world, t, d, layouts, job.data.seq_len, stages, balance, floor, gpu, gpu_from))
 
 
 def main(argv: list[str] | None = None) -> None:

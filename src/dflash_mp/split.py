@@ -168,6 +168,43 @@ def fluid_bound(world: int, t: float, d: float) -> float:
     return world * t * d / (t + d)
 
 
+# ------------------------------------------------------------------------------------ memory floor
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class MemoryFloor:
+    """Bytes a process holds before its first step: a floor under what it needs. A target rank holds
+    its stage's weights; a drafter rank its trainable weights with their training state (master,
+    gradients, AdamW moments: `optim.held_bytes_per_param`) and the target's frozen embedding and LM
+    head. Activations, compiled graphs, the CUDA context and the allocator's cache come on top, so a
+    GPU over the floor cannot run its processes, and one under it may still not."""
+
+    target: int  # one target rank: the largest stage's weights
+    drafter: int  # the only drafter rank
+    drafter_dp: int  # one of 2+ drafter ranks (the gradients' data-parallel sum adds a buffer)
+
+    def per_gpu(self, layout: Layout) -> int:
+        """The most any GPU of `layout` holds."""
+        drafter = self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+        return max(self.target if layout.target_gpus else 0, drafter if layout.drafter_gpus else 0,
+                   self.target + drafter if layout.shared_gpus else 0)
+
+    def misfit(self, layout: Layout, gpu_bytes: float) -> str | None:
+        """Why `layout` cannot run on GPUs of `gpu_bytes` (None: its floor fits)."""
+        need = self.per_gpu(layout)
+        if need <= gpu_bytes:
+            return None
+        drafter = self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+        if layout.shared_gpus and self.target + drafter == need:
+            what = f"a GPU holding a target and a drafter holds >= {need / GIB:.1f} GiB"
+        elif self.target == need:
+            what = f"a target rank holds >= {need / GIB:.1f} GiB"
+        else:
+            what = f"a drafter rank holds >= {need / GIB:.1f} GiB"
+        return f"{what}, the GPU {gpu_bytes / GIB:.1f}"
+
+
 # ------------------------------------------------------------------------------- from a job config
 # MFUs of the two roles when nothing is measured: what the Qwen3-8B shapes reach on an H200 at the
 # defaults (the target forward 0.78-0.795 as a CUDA graph; the drafter step 0.752-0.757 since its first
