@@ -192,6 +192,9 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "cudagraph_replay_misses_after_warmup": {k: v - m0.get(k, 0) for k, v in m1.items() if v > m0.get(k, 0)},
         "graphs_total": c1["graphs"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        # Reserved too: a captured step's activations and gradients live in its graph's pool, whose blocks
+        # the allocator counts as allocated only while the capture holds them (not during replays).
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0,
         "fwd_bwd_ms": None if whole else median(fb), "optimizer_ms": None if whole else median(op),
         "graph_step_ms": median(whole) if whole else None,
         "cuda_graph": tr.describe_graph(), "graph_replays": tr.graph.replays if tr.graph else 0,
