@@ -168,7 +168,7 @@ def test_cli_checks_the_layouts_against_a_gpu_s_memory(capsys):
     assert all("(does not fit: a GPU holding a target and a drafter holds >= " in ln for ln in shared)
     assert "4 target + 4 drafter GPUs  <- best" in out and "best overall shares" not in out
     assert "recommended whole-GPU split: topology.num_target_ranks=4 (torchrun --nproc-per-node 8)" in out
-    assert "checked against 79.2 GiB a GPU (plan.gpu_memory_gib=79.2): 7 of 13 layouts fit" in out
+    assert "checked against 79.2 GiB a GPU (plan.gpu_memory_gib=79.2): 6 of 13 layouts over the floor" in out
     main(["experiment=qwen3_5_27b", "plan.world_size=8", "plan.gpu_memory_gib=139.8"])
     out = capsys.readouterr().out
     assert "does not fit" not in out and "best overall shares one GPU: torchrun --nproc-per-node 9" in out

@@ -208,8 +208,9 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
                      "on top")
     if floor is None or gpu is None:
         return "\n".join(lines + [MEMORY_CAVEAT])
-    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): "
-                 f"{sum(map(fits, layouts))} of {len(layouts)} layouts fit")
+    over = len(layouts) - sum(map(fits, layouts))
+    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): {over} of {len(layouts)} layouts "
+                 "over the floor (marked); the others may still run out of memory, activations coming on top")
     if not any(map(fits, layouts)):
         lines.append(_no_fit(floor, gpu, stages, world))
     return "\n".join(lines)
