@@ -184,9 +184,12 @@ class MemoryFloor:
     drafter: int  # the only drafter rank
     drafter_dp: int  # one of 2+ drafter ranks (the gradients' data-parallel sum adds a buffer)
 
+    def _drafter(self, layout: Layout) -> int:
+        return self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+
     def per_gpu(self, layout: Layout) -> int:
         """The most any GPU of `layout` holds."""
-        drafter = self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+        drafter = self._drafter(layout)
         return max(self.target if layout.target_gpus else 0, drafter if layout.drafter_gpus else 0,
                    self.target + drafter if layout.shared_gpus else 0)
 
@@ -195,8 +198,7 @@ class MemoryFloor:
         need = self.per_gpu(layout)
         if need <= gpu_bytes:
             return None
-        drafter = self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
-        if layout.shared_gpus and self.target + drafter == need:
+        if layout.shared_gpus and self.target + self._drafter(layout) == need:
             what = f"a GPU holding a target and a drafter holds >= {need / GIB:.1f} GiB"
         elif self.target == need:
             what = f"a target rank holds >= {need / GIB:.1f} GiB"
