@@ -42,7 +42,7 @@ from .cli import entry, tool_main
 from .model import DFlashDrafter
 from .optim import held_bytes_per_param
 from .runtime import pick_device, resolve, validate
-from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, fluid_bound, job_workload,
+from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, best_whole, fluid_bound, job_workload,
                     plan_layouts)
 from .stages import plan_stages
 from .target import TargetSpec, TargetWorker, load_target_config, resolve_dtype, truncate
@@ -195,10 +195,9 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
                   gpu_from: str = "") -> str:
     """The report: rates, layouts best first (with `floor` and `gpu`, bytes of one GPU's memory, those
     whose floor does not fit are marked and never recommended), the launch, and the memory floor."""
-    def fits(lay: Layout) -> bool:
-        return floor is None or gpu is None or floor.misfit(lay, gpu) is None
-
-    lines = _layouts_lines(world, t, d, layouts, seq_len, stages, balance, floor, gpu)
+    checked = floor is not None and gpu is not None
+    misfits = [floor.misfit(lay, gpu) if checked else None for lay in layouts]
+    lines = _layouts_lines(world, t, d, layouts, misfits, seq_len, stages, balance)
     if floor is not None:
         stage = " (its largest stage)" if stages > 1 else ""
         lines.append(f"memory floor before the first step: a target rank {floor.target / GIB:.1f} GiB"
@@ -206,12 +205,12 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
                      f"({floor.drafter_dp / GIB:.1f} as one of several): weights, a drafter's master, "
                      "gradients and AdamW moments, and the target's embedding and LM head; activations come "
                      "on top")
-    if floor is None or gpu is None:
+    if not checked:
         return "\n".join(lines + [MEMORY_CAVEAT])
-    over = len(layouts) - sum(map(fits, layouts))
+    over = sum(why is not None for why in misfits)
     lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): {over} of {len(layouts)} layouts "
                  "over the floor (marked); the others may still run out of memory, activations coming on top")
-    if not any(map(fits, layouts)):
+    if over == len(layouts):
         lines.append(_no_fit(floor, gpu, stages, world))
     return "\n".join(lines)
 
@@ -230,27 +229,22 @@ def _no_fit(floor: MemoryFloor, gpu: float, stages: int, world: int) -> str:
             f"{(floor.target + floor.drafter) / GIB:.1f} GiB): use 2 or more GPUs")
 
 
-def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_len: int, stages: int,
-                   balance: float, floor: MemoryFloor | None = None, gpu: float | None = None) -> list[str]:
-    def misfit(lay: Layout) -> str | None:
-        return None if floor is None or gpu is None else floor.misfit(lay, gpu)
-
+def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], misfits: list[str | None],
+                   seq_len: int, stages: int, balance: float) -> list[str]:
+    """`misfits`: per layout, why its floor does not fit a GPU (None: it may)."""
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
     if world == 1:
-        only = layouts[0]
-        why = misfit(only)
+        only, why = layouts[0], misfits[0]
         if why is not None:
             return lines + [f"one GPU: {only.describe()} does not fit ({why})"]
         return lines + [
             f"one GPU: {only.samples_per_s:.4g} samples/s, {only.describe()}  <- the only layout",
             "launch: torchrun --nproc-per-node 2 -m dflash_mp.main ...  (target rank 0 and drafter rank 1 share "
             "the GPU over the shm ring and take turns at it: topology.gpu_turns=auto)"]
-    fitting = [lay for lay in layouts if misfit(lay) is None]
+    fitting = [lay for lay, why in zip(layouts, misfits) if why is None]
     best = fitting[0] if fitting else None
-    # The best whole-GPU split that fits, as best_whole_split ranks them (what num_target_ranks=auto picks).
-    wholes = [lay for lay in fitting if not lay.shared_gpus]
-    whole = (max(wholes, key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
-             if wholes else None)
+    wholes = [lay for lay in fitting if not lay.shared_gpus]  # ranked as num_target_ranks=auto ranks them
+    whole = best_whole(wholes).target_gpus if wholes else None
     if stages > 1:
         lines.append(f"per target replica of {stages} stages: {stages * t * balance:.4g} samples/s "
                      f"(stage balance {balance:.2f})")
@@ -258,8 +252,7 @@ def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], seq_le
         f"fluid bound for {world} GPUs: {fluid_bound(world, t * balance, d):.4g} samples/s",
         "layouts considered (predicted samples/s):",
     ]
-    for lay in layouts:
-        why = misfit(lay)
+    for lay, why in zip(layouts, misfits):
         mark = "  <- best" if lay is best else f"  (does not fit: {why})" if why else ""
         lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
     if whole is None:

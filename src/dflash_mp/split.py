@@ -156,11 +156,15 @@ def plan_layouts(world: int, t: float, d: float, efficiency: float = 0.9, stages
     return sorted(layouts, key=lambda lay: (-round(lay.samples_per_s, 9), lay.shared_gpus, lay.target_gpus))
 
 
+def best_whole(layouts: list[Layout]) -> Layout:
+    """The best of whole-GPU `layouts`: the most samples/s, then the fewest target GPUs."""
+    return max(layouts, key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus))
+
+
 def best_whole_split(world: int, t: float, d: float, stages: int = 1, balance: float = 1.0) -> int:
     """num_target_ranks of the best whole-GPU split (what `topology.num_target_ranks=auto` picks): a
     multiple of `stages`."""
-    layouts = _staged_whole_splits(world, t, d, stages, balance)
-    return max(layouts, key=lambda lay: (round(lay.samples_per_s, 9), -lay.target_gpus)).target_gpus
+    return best_whole(_staged_whole_splits(world, t, d, stages, balance)).target_gpus
 
 
 def fluid_bound(world: int, t: float, d: float) -> float:

@@ -130,9 +130,10 @@ def _untied(config):
     return config
 
 
-def causal_lm_class(path: str, config=None) -> type:
+def causal_lm_class(path: str | None, config=None) -> type:
     """The transformers class AutoModelForCausalLM builds for the checkpoint at `path` (its config
-    only: the class decides the attention implementations transformers allows)."""
+    only, read unless `config` is given: the class decides the attention implementations transformers
+    allows)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -147,7 +148,7 @@ def _stage_class(source, first: int, end: int, keep_norm: bool):
     from transformers import AutoConfig
 
     config = _untied(AutoConfig.from_pretrained(source) if isinstance(source, str) else copy.deepcopy(source))
-    base = causal_lm_class(source, config)
+    base = causal_lm_class(None, config)
     text = (getattr(config, "sub_configs", None) or {}).get("text_config")
     if text is not None and getattr(base, "config_class", None) is text:
         config = config.get_text_config()  # a multimodal checkpoint's decoder class takes the text config, as Auto
