@@ -109,7 +109,7 @@ def test_one_gpu_has_one_layout_a_target_and_a_drafter_taking_turns():
     # With the job's memory floor and a GPU: a 1 + 1 over the GPU is no layout, and the fix is more GPUs.
     floor = split.MemoryFloor(target=13 * GIB, drafter=16 * GIB, drafter_dp=20 * GIB)
     text = format_report(1, t, d, [only], 3072, floor=floor, gpu=24 * GIB, gpu_from="plan.gpu_memory_gib=24")
-    assert ("does not fit (a GPU holding a target and a drafter holds >= 29.0 GiB, the GPU 24.0)" in text
+    assert ("(does not fit: a GPU holding a target and a drafter holds >= 29.0 GiB, the GPU 24.0)" in text
             and "torchrun" not in text and "no layout fits on 1 GPU" in text and "use 2 or more GPUs" in text)
     assert "<- the only layout" in format_report(1, t, d, [only], 3072, floor=floor, gpu=29 * GIB)
     with pytest.raises(ValueError, match="world_size=1 has no room for one target replica of target.stages=2"):
@@ -155,6 +155,65 @@ def test_memory_floor_of_the_8b_job_counted_by_hand():
     assert staged.target == 2 * (17 * layer + V * H)  # the first stage: the embedding, no final norm
 
 
+def test_one_step_s_memory_estimated_by_hand():
+    """What a step adds on top of the floor, from the shapes: the drafter's per-layer activations of its
+    A*B block rows (input, attention sum, q, attention output, gate, up) and k/v of context and block
+    rows, the received states and fused context, the CE's logits chunk and the rows' gradient; the
+    target's residual and a layer's transients, and the captured states in flight."""
+    shape = DrafterShape(hidden=8, intermediate=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                         vocab=32, num_target_layers=3)
+    # 12 block rows, q = 8, kv = 4: a layer 12 * (16 + 16 + 32) + (12 + 10) * 8; context 10 * 4 * 8; CE: 5 of
+    # the 9 predicted rows' logits, the 9 rows' gradient.
+    layer = 12 * (16 + 16 + 32) + 22 * 8
+    assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=5) == 2 * (2 * layer + 320 + 5 * 32 + 9 * 8)
+    assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=64, itemsize=4) == 4 * (2 * layer + 320 + 9 * 32
+                                                                                        + 9 * 8)
+    tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16)
+    # 10 tokens x (2 x 8 + 8 + 2 x 4 + 3 x 16); 3 captured layers x 10 x 8, filling and 2 in flight.
+    assert split.target_step_bytes(tc, 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
+    moe = dict(tc, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)  # 2 experts of 6 a token
+    assert split.target_step_bytes(moe, 10, 3, depth=1) == 2 * (10 * (32 + 36) + 2 * 240)
+    # The 8B job's figures through plan.memory_floor (drafter.loss_chunk_size=4096, transport.depth=2).
+    job = compose(["experiment=qwen3_8b"])
+    tcfg = target_config_for(job)
+    spec = TargetSpec.from_config(tcfg)
+    ids, mask = planned_ids(job, tcfg, spec)
+    floor = memory_floor(job, tcfg, spec, ids, mask, [(0, max(ids) + 1)])
+    H, I, V, q, kv, T, rows = 4096, 12288, 151936, 4096, 1024, 3072, 512 * 16
+    layer = rows * (2 * H + 2 * q + 2 * I) + (rows + T) * 2 * kv
+    assert floor.drafter_step == 2 * (5 * layer + T * 6 * H + 4096 * V + 512 * 15 * H)
+    assert floor.target_step == 2 * (T * (2 * H + q + 2 * kv + 3 * I) + 3 * T * 5 * H)
+    assert 4.5 * GIB < floor.drafter_step < 5 * GIB and 0.5 * GIB < floor.target_step < 0.7 * GIB
+
+
+def test_a_layout_over_the_estimate_is_marked_and_never_recommended():
+    """Floors that fit, estimates that do not: the layout is marked as likely out of memory, the best and
+    the recommendation skip it; the estimate's arithmetic per layout by hand."""
+    f = split.MemoryFloor(target=40 * GIB, drafter=20 * GIB, drafter_dp=25 * GIB, target_step=2 * GIB,
+                          drafter_step=10 * GIB)
+    assert f.per_gpu(Layout(4, 4, 0, 0.0, 1.0), step=True) == 42 * GIB  # drafter ranks hold 35
+    assert f.per_gpu(Layout(7, 1, 0, 0.0, 1.0), step=True) == 42 * GIB  # the only drafter rank holds 30
+    assert f.per_gpu(Layout(4, 3, 1, 0.1, 1.0), step=True) == 77 * GIB
+    assert f.per_gpu(Layout(1, 7, 0, 0.0, 1.0), step=True) == 42 * GIB
+    assert f.misfit(Layout(4, 4, 0, 0.0, 1.0), 41 * GIB) is None
+    assert f.misfit(Layout(4, 4, 0, 0.0, 1.0), 41 * GIB, step=True) == (
+        "a target rank needs ~42.0 GiB with one step's activations (estimated), the GPU 41.0")
+    big = split.MemoryFloor(target=10 * GIB, drafter=20 * GIB, drafter_dp=25 * GIB, drafter_step=20 * GIB)
+    assert big.misfit(Layout(4, 4, 0, 0.0, 1.0), 44 * GIB, step=True) == (
+        "a drafter rank needs ~45.0 GiB with one step's activations (estimated), the GPU 44.0")
+    assert big.misfit(Layout(7, 1, 0, 0.0, 1.0), 44 * GIB, step=True) is None  # one drafter: 40
+    layouts = plan_layouts(8, T, D)
+    text = format_report(8, T, D, layouts, 3072, floor=big, gpu=44 * GIB, gpu_from="plan.gpu_memory_gib=44")
+    lines = text.splitlines()
+    marked = [ln for ln in lines if "(likely out of memory: " in ln]
+    assert all("<- best" not in ln for ln in marked)
+    assert len(marked) + 1 == sum(ln.startswith("  ") for ln in lines)  # all but the one with 1 drafter GPU
+    assert sum("a drafter rank needs ~45.0 GiB" in ln for ln in marked) == 6  # whole splits, 2+ drafters
+    assert sum("a target and a drafter needs ~55.0 GiB" in ln for ln in marked) == 5  # shared: 10 + 25 + 20
+    assert "7 target + 1 drafter GPUs  <- best" in text and "topology.num_target_ranks=7" in text
+    assert f"of {len(layouts)} layouts, 0 over the floor and {len(layouts) - 1} over the estimate" in text
+
+
 def test_cli_checks_the_layouts_against_a_gpu_s_memory(capsys):
     """Qwen3.5-27B on 8 GPUs: 80 GB cards hold no target and drafter together, so the best layout that
     fits is a whole-GPU split and no shared launch is offered; 141 GB cards hold both."""
@@ -168,10 +227,20 @@ def test_cli_checks_the_layouts_against_a_gpu_s_memory(capsys):
     assert all("(does not fit: a GPU holding a target and a drafter holds >= " in ln for ln in shared)
     assert "4 target + 4 drafter GPUs  <- best" in out and "best overall shares" not in out
     assert "recommended whole-GPU split: topology.num_target_ranks=4 (torchrun --nproc-per-node 8)" in out
-    assert "checked against 79.2 GiB a GPU (plan.gpu_memory_gib=79.2): 6 of 13 layouts over the floor" in out
+    assert ("checked against 79.2 GiB a GPU (plan.gpu_memory_gib=79.2): of 13 layouts, 6 over the floor and "
+            "0 over the estimate") in out
     main(["experiment=qwen3_5_27b", "plan.world_size=8", "plan.gpu_memory_gib=139.8"])
     out = capsys.readouterr().out
     assert "does not fit" not in out and "best overall shares one GPU: torchrun --nproc-per-node 9" in out
+    # One 80 GB card: the 27B 1 + 1 clears the floor (73.6 GiB) but not the estimate with a step's
+    # activations; on that card it ran out of memory (BENCHMARKS.md, calls B2 and C1). On 141 GB it runs.
+    main(["experiment=qwen3_5_27b", "plan.world_size=1", "plan.gpu_memory_gib=79.2"])
+    out = capsys.readouterr().out
+    assert ("(likely out of memory: a GPU holding a target and a drafter needs ~7" in out and "torchrun" not in out
+            and "no layout fits on 1 GPU: a target and a drafter rank need a GPU each (together ~7" in out)
+    main(["experiment=qwen3_5_27b", "plan.world_size=1", "plan.gpu_memory_gib=139.8"])
+    out = capsys.readouterr().out
+    assert "<- the only layout" in out and "out of memory:" not in out
     # Qwen3-235B-A22B's 4 stages hold more than an 80 GB card each: no layout, and the fix.
     main(["experiment=qwen3_235b_a22b", "plan.world_size=8", "plan.gpu_memory_gib=79.2"])
     out = capsys.readouterr().out

@@ -19,8 +19,10 @@ Each layout is checked against one GPU's memory (`plan.gpu_memory_gib`, else thi
 what its processes hold before their first step (`split.MemoryFloor`: a target rank's weights, a
 drafter rank's weights with their master, gradients and AdamW moments and the target's embedding and
 LM head, counted on the meta device) must fit each GPU; a layout over it is marked and never
-recommended. Activations come on top, so a layout under the floor may still run out of memory, and
-the job's error then names the fix.
+recommended. So is one whose estimate with one step's activations (`split.drafter_step_bytes`,
+`split.target_step_bytes`, from the shapes) does not fit. The estimate leaves out compiled graphs, the
+CUDA context and the allocator's cache: the jobs measured reserved more than it, so a layout under it
+may still run out of memory, and the job's error then names the fix.
 
 The rate model, the layouts and the floor's arithmetic are `dflash_mp.split` (below the start-up, which
 asks it for `num_target_ranks=auto`); this module is the command on top: it reads the job, derives the
@@ -42,8 +44,9 @@ from .cli import entry, tool_main
 from .model import DFlashDrafter
 from .optim import held_bytes_per_param
 from .runtime import pick_device, resolve, validate
-from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, best_whole, fluid_bound, job_workload,
-                    plan_layouts)
+from .flops import DrafterShape
+from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, best_whole, drafter_step_bytes,
+                    fluid_bound, job_workload, plan_layouts, target_step_bytes)
 from .stages import plan_stages
 from .target import TargetSpec, TargetWorker, load_target_config, resolve_dtype, truncate
 from .target.weights import stage_weight_bytes
@@ -92,8 +95,14 @@ def memory_floor(job, target_config: dict, spec: TargetSpec, layer_ids: list[int
     # The target's embedding and LM head the drafter reads (frozen): one tensor where they are tied.
     frozen = ((1 if target_config.get("tie_word_embeddings") else 2) * target_config["vocab_size"]
               * target_config["hidden_size"] * dtype.itemsize)
+    # One step's working memory on top, estimated from the shapes (split.{target,drafter}_step_bytes).
+    a = drafter.args
+    drafter_step = drafter_step_bytes(DrafterShape.from_args(a), job.data.seq_len, job.drafter.num_anchors,
+                                      a.block_size, job.drafter.loss_chunk_size, work.itemsize)
+    target_step = target_step_bytes(target_config, job.data.seq_len, len(layer_ids), job.transport.depth,
+                                    dtype.itemsize)
     return MemoryFloor(target, n * held_bytes_per_param(work) + frozen,
-                       n * held_bytes_per_param(work, replicas=2) + frozen)
+                       n * held_bytes_per_param(work, replicas=2) + frozen, target_step, drafter_step)
 
 
 def gpu_memory(gib: float | None) -> tuple[float | None, str]:
@@ -194,49 +203,80 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
                   balance: float = 1.0, floor: MemoryFloor | None = None, gpu: float | None = None,
                   gpu_from: str = "") -> str:
     """The report: rates, layouts best first (with `floor` and `gpu`, bytes of one GPU's memory, those
-    whose floor does not fit are marked and never recommended), the launch, and the memory floor."""
+    whose floor does not fit, or whose estimate with one step's activations does not, are marked and
+    never recommended), the launch, and the memory floor and estimate."""
     checked = floor is not None and gpu is not None
-    misfits = [floor.misfit(lay, gpu) if checked else None for lay in layouts]
+    misfits = [_misfit(floor, lay, gpu) if checked else None for lay in layouts]
     lines = _layouts_lines(world, t, d, layouts, misfits, seq_len, stages, balance)
     if floor is not None:
         stage = " (its largest stage)" if stages > 1 else ""
         lines.append(f"memory floor before the first step: a target rank {floor.target / GIB:.1f} GiB"
                      f"{stage}, a drafter rank {floor.drafter / GIB:.1f} GiB "
                      f"({floor.drafter_dp / GIB:.1f} as one of several): weights, a drafter's master, "
-                     "gradients and AdamW moments, and the target's embedding and LM head; activations come "
-                     "on top")
+                     "gradients and AdamW moments, and the target's embedding and LM head")
+        step = floor.drafter_step
+        lines.append(f"with one step's activations (estimated from the shapes): a target rank "
+                     f"~{(floor.target + floor.target_step) / GIB:.1f} GiB, a drafter rank "
+                     f"~{(floor.drafter + step) / GIB:.1f} GiB ({(floor.drafter_dp + step) / GIB:.1f}); "
+                     "compiled graphs, the CUDA context and the allocator's cache come on top")
     if not checked:
         return "\n".join(lines + [MEMORY_CAVEAT])
-    over = sum(why is not None for why in misfits)
-    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): {over} of {len(layouts)} layouts "
-                 "over the floor (marked); the others may still run out of memory, activations coming on top")
-    if over == len(layouts):
+    over = sum(m is not None and m.startswith(DOES_NOT_FIT) for m in misfits)
+    likely = sum(m is not None for m in misfits) - over
+    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): of {len(layouts)} layouts, {over} "
+                 f"over the floor and {likely} over the estimate (marked); the others may still run out of "
+                 "memory, the allocator's cache and compiled graphs coming on top")
+    if over + likely == len(layouts):
         lines.append(_no_fit(floor, gpu, stages, world))
     return "\n".join(lines)
 
 
+DOES_NOT_FIT, LIKELY_OOM = "does not fit", "likely out of memory"
+
+
+def _misfit(floor: MemoryFloor, layout: Layout, gpu: float) -> str | None:
+    """How `layout` is marked on GPUs of `gpu` bytes: over the floor, over the estimate, or None."""
+    why = floor.misfit(layout, gpu)
+    if why is not None:
+        return f"{DOES_NOT_FIT}: {why}"
+    why = floor.misfit(layout, gpu, step=True)
+    return None if why is None else f"{LIKELY_OOM}: {why}"
+
+
 def _no_fit(floor: MemoryFloor, gpu: float, stages: int, world: int) -> str:
-    """The fix when no layout's floor fits GPUs of `gpu` bytes."""
-    if floor.target > gpu:
-        return (f"no layout fits: a target rank's weights alone hold {floor.target / GIB:.1f} GiB: split the "
-                f"target over more GPUs with a larger target.stages (now {stages}; each stage holds only its "
-                "layers), or use GPUs with more memory")
-    if floor.drafter > gpu:
-        return (f"no layout fits: a drafter rank holds {floor.drafter / GIB:.1f} GiB before its first step: "
-                "use GPUs with more memory, or a smaller drafter (drafter.num_layers)")
+    """The fix when no layout fits GPUs of `gpu` bytes, by the floor or by the estimate with one step's
+    activations (the floor named where it is over already)."""
+    for step in (False, True):
+        target = floor.target + (floor.target_step if step else 0)
+        drafter = floor.drafter + (floor.drafter_step if step else 0)
+        if target > gpu:
+            held = (f" needs ~{target / GIB:.1f} GiB with one step's activations" if step
+                    else f"'s weights alone hold {target / GIB:.1f} GiB")
+            return (f"no layout fits: a target rank{held}: split the target over more GPUs with a larger "
+                    f"target.stages (now {stages}; each stage holds only its layers), or use GPUs with more "
+                    "memory")
+        if drafter > gpu:
+            held = (f"needs ~{drafter / GIB:.1f} GiB with one step's activations: lower "
+                    "drafter.loss_chunk_size, drafter.num_anchors or data.seq_len, " if step
+                    else f"holds {drafter / GIB:.1f} GiB before its first step: ")
+            return (f"no layout fits: a drafter rank {held}use GPUs with more memory, or a smaller drafter "
+                    "(drafter.num_layers)")
+    both = floor.target + floor.drafter
+    with_step = both + floor.target_step + floor.drafter_step
+    together = f"{both / GIB:.1f}" if both > gpu else f"~{with_step / GIB:.1f}"
     gpus = f"{world} GPU{'s' if world > 1 else ''}"
-    return (f"no layout fits on {gpus}: a target and a drafter rank need a GPU each (together "
-            f"{(floor.target + floor.drafter) / GIB:.1f} GiB): use 2 or more GPUs")
+    return (f"no layout fits on {gpus}: a target and a drafter rank need a GPU each (together {together} "
+            "GiB): use 2 or more GPUs")
 
 
 def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], misfits: list[str | None],
                    seq_len: int, stages: int, balance: float) -> list[str]:
-    """`misfits`: per layout, why its floor does not fit a GPU (None: it may)."""
+    """`misfits`: per layout, why it does not fit a GPU or likely runs out of memory (None: it may fit)."""
     lines = [f"per GPU: target {t:.4g} samples/s, drafter {d:.4g} samples/s (1 sample = {seq_len} tokens)"]
     if world == 1:
         only, why = layouts[0], misfits[0]
         if why is not None:
-            return lines + [f"one GPU: {only.describe()} does not fit ({why})"]
+            return lines + [f"one GPU: {only.describe()}  ({why})"]
         return lines + [
             f"one GPU: {only.samples_per_s:.4g} samples/s, {only.describe()}  <- the only layout",
             "launch: torchrun --nproc-per-node 2 -m dflash_mp.main ...  (target rank 0 and drafter rank 1 share "
@@ -253,7 +293,7 @@ def _layouts_lines(world: int, t: float, d: float, layouts: list[Layout], misfit
         "layouts considered (predicted samples/s):",
     ]
     for lay, why in zip(layouts, misfits):
-        mark = "  <- best" if lay is best else f"  (does not fit: {why})" if why else ""
+        mark = "  <- best" if lay is best else f"  ({why})" if why else ""
         lines.append(f"  {lay.samples_per_s:10.4g}  {lay.describe()}{mark}")
     if whole is None:
         return lines

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
-                    target_layers_flops)
+                    num_experts, target_layers_flops)
 from .stages import plan_stages
 from .trainer import build_drafter_args
 
@@ -182,33 +182,82 @@ class MemoryFloor:
     its stage's weights; a drafter rank its trainable weights with their training state (master,
     gradients, AdamW moments: `optim.held_bytes_per_param`) and the target's frozen embedding and LM
     head. Activations, compiled graphs, the CUDA context and the allocator's cache come on top, so a
-    GPU over the floor cannot run its processes, and one under it may still not."""
+    GPU over the floor cannot run its processes, and one under it may still not.
+
+    `target_step` and `drafter_step`: what one forward or training step adds on top
+    (`target_step_bytes`, `drafter_step_bytes`): an estimate, not a floor (0: not estimated)."""
 
     target: int  # one target rank: the largest stage's weights
     drafter: int  # the only drafter rank
     drafter_dp: int  # one of 2+ drafter ranks (the gradients' data-parallel sum adds a buffer)
+    target_step: int = 0
+    drafter_step: int = 0
 
-    def _drafter(self, layout: Layout) -> int:
-        return self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+    def _roles(self, layout: Layout, step: bool) -> tuple[int, int]:
+        """(a target rank, a drafter rank) of `layout`: the floor, or with `step` the estimate."""
+        drafter = self.drafter_dp if layout.drafter_gpus + layout.shared_gpus > 1 else self.drafter
+        if step:
+            return self.target + self.target_step, drafter + self.drafter_step
+        return self.target, drafter
 
-    def per_gpu(self, layout: Layout) -> int:
-        """The most any GPU of `layout` holds."""
-        drafter = self._drafter(layout)
-        return max(self.target if layout.target_gpus else 0, drafter if layout.drafter_gpus else 0,
-                   self.target + drafter if layout.shared_gpus else 0)
+    def per_gpu(self, layout: Layout, step: bool = False) -> int:
+        """The most any GPU of `layout` holds (with `step`: the estimate with one step's activations)."""
+        target, drafter = self._roles(layout, step)
+        return max(target if layout.target_gpus else 0, drafter if layout.drafter_gpus else 0,
+                   target + drafter if layout.shared_gpus else 0)
 
-    def misfit(self, layout: Layout, gpu_bytes: float) -> str | None:
-        """Why `layout` cannot run on GPUs of `gpu_bytes` (None: its floor fits)."""
-        need = self.per_gpu(layout)
+    def misfit(self, layout: Layout, gpu_bytes: float, step: bool = False) -> str | None:
+        """Why `layout` cannot run on GPUs of `gpu_bytes` (None: its floor fits). With `step`, why it
+        would run out of memory by the estimate with one step's activations (None: the estimate fits)."""
+        need = self.per_gpu(layout, step)
         if need <= gpu_bytes:
             return None
-        if layout.shared_gpus and self.target + self._drafter(layout) == need:
-            what = f"a GPU holding a target and a drafter holds >= {need / GIB:.1f} GiB"
-        elif self.target == need:
-            what = f"a target rank holds >= {need / GIB:.1f} GiB"
+        target, drafter = self._roles(layout, step)
+        if layout.shared_gpus and target + drafter == need:
+            who, verb = "a GPU holding a target and a drafter", "holds"
+        elif target == need:
+            who, verb = "a target rank", "holds"
         else:
-            what = f"a drafter rank holds >= {need / GIB:.1f} GiB"
-        return f"{what}, the GPU {gpu_bytes / GIB:.1f}"
+            who, verb = "a drafter rank", "holds"
+        if step:
+            return (f"{who} needs ~{need / GIB:.1f} GiB with one step's activations (estimated), "
+                    f"the GPU {gpu_bytes / GIB:.1f}")
+        return f"{who} {verb} >= {need / GIB:.1f} GiB, the GPU {gpu_bytes / GIB:.1f}"
+
+
+def drafter_step_bytes(s: DrafterShape, seq_len: int, num_anchors: int, block_size: int, chunk_rows: int,
+                       itemsize: int = 2) -> int:
+    """What one drafter training step holds on top of its weights and training state, estimated from
+    its shapes (activations of `itemsize` bytes): per layer, what the backward reads of each of the
+    A*B block rows (the layer's input and its sum with the attention's output, the q projection and
+    the attention's output, the MLP's gate and up outputs) and the k/v projections of the context and
+    block rows; the received target states and the fused context; the fused CE's chunk of logits
+    (`chunk_rows` x vocab, its gradient written in place) and the gradient it hands the blocks' rows.
+    Pointwise results (norms, RoPE, SwiGLU) are recomputed in the backward and not counted."""
+    rows = num_anchors * block_size
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    layer = rows * (2 * s.hidden + 2 * q + 2 * s.intermediate) + (rows + seq_len) * 2 * kv
+    context = seq_len * (s.num_target_layers + 1) * s.hidden
+    predicted = num_anchors * (block_size - 1)
+    ce = min(chunk_rows, predicted) * s.vocab + predicted * s.hidden
+    return itemsize * (s.num_layers * layer + context + ce)
+
+
+def target_step_bytes(config: dict, seq_len: int, num_captured: int, depth: int, itemsize: int = 2) -> int:
+    """What one target forward holds on top of the weights, estimated from the config (a dense
+    layer's shapes; a mixture of experts counts the experts each token visits): the residual stream
+    and a layer's largest transients (its input norm, q/k/v, the MLP's gate, up and product), and the
+    captured states, the batch being filled plus `depth` in flight to the drafter."""
+    h = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    if num_experts(config):
+        inter = config["moe_intermediate_size"] * config["num_experts_per_tok"]
+    else:
+        inter = config["intermediate_size"]
+    layer = seq_len * (2 * h + q + 2 * kv + 3 * inter)
+    return itemsize * (layer + (1 + depth) * seq_len * num_captured * h)
 
 
 # ------------------------------------------------------------------------------- from a job config
