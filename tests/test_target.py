@@ -271,3 +271,22 @@ def test_rows_in_one_forward_capture_what_each_row_captures_alone(tmp_path, wind
         for f in ("input_ids", "position_ids", "doc_ids", "loss_mask"):
             assert torch.equal(getattr(got, f), getattr(row, f)), f
         assert got.num_valid_tokens == row.num_valid_tokens
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_lm_head_is_loaded_once(tmp_path, tied):
+    """A drafter rank reads the target's embedding and LM head; where the checkpoint ties them it holds
+    one tensor for both (on an 8B-class vocabulary, ~1.2 GB not copied twice), converted to the dtype
+    asked for; an untied head is its own tensor."""
+    from dflash_mp.target import load_target_head
+
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    lm.save_pretrained(tmp_path)
+    embed, head = load_target_head(str(tmp_path), torch.float32, torch.device("cpu"))
+    assert embed.dtype == head.dtype == torch.float32
+    assert torch.equal(embed, lm.get_input_embeddings().weight.float())
+    assert torch.equal(head, lm.get_output_embeddings().weight.float())
+    assert (embed.data_ptr() == head.data_ptr()) == tied

@@ -80,8 +80,10 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tup
         raise ValueError(f"target.path={path}: no model.embed_tokens.weight (nor model.language_model."
                          "embed_tokens.weight) in its safetensors files; point target.path at a full Hugging "
                          "Face checkpoint of a decoder LM.")
-    head = out.get("lm_head.weight", embed)  # tied embeddings
-    return embed.to(device, dtype), head.to(device, dtype)
+    embed_here = embed.to(device, dtype)
+    if "lm_head.weight" not in out:  # tied embeddings: one tensor for both, not copied twice
+        return embed_here, embed_here
+    return embed_here, out["lm_head.weight"].to(device, dtype)
 
 
 class Elsewhere(nn.Module):
