@@ -157,17 +157,18 @@ def test_memory_floor_of_the_8b_job_counted_by_hand():
 
 def test_one_step_s_memory_estimated_by_hand():
     """What a step adds on top of the floor, from the shapes: the drafter's per-layer activations of its
-    A*B block rows (input, attention sum, q, attention output, gate, up) and k/v of context and block
-    rows, the received states and fused context, the CE's logits chunk and the rows' gradient; the
-    target's residual and a layer's transients, and the captured states in flight."""
+    A*B block rows (input and attention sum, each normalised too; q before and after RoPE, the attention's
+    output; gate, up, their product) and k (before and after RoPE) and v of context and block rows, the
+    received states and fused context (before and after its norm), the CE's logits chunk and the rows'
+    gradient; the target's residual and a layer's transients, and the captured states in flight."""
     shape = DrafterShape(hidden=8, intermediate=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                          vocab=32, num_target_layers=3)
-    # 12 block rows, q = 8, kv = 4: a layer 12 * (16 + 16 + 32) + (12 + 10) * 8; context 10 * 4 * 8; CE: 5 of
-    # the 9 predicted rows' logits, the 9 rows' gradient.
-    layer = 12 * (16 + 16 + 32) + 22 * 8
-    assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=5) == 2 * (2 * layer + 320 + 5 * 32 + 9 * 8)
-    assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=64, itemsize=4) == 4 * (2 * layer + 320 + 9 * 32
-                                                                                        + 9 * 8)
+    # 12 block rows, q = 8, kv = 4: a layer 12 * (32 + 24 + 48) + (12 + 10) * 12; context 10 * 5 * 8; CE: 5
+    # of the 9 predicted rows' logits, the 9 rows' gradient.
+    layer = 12 * (32 + 24 + 48) + 22 * 12
+    assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=5) == 2 * (2 * layer + 400 + 5 * 32 + 9 * 8)
+    wide = split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=64, itemsize=4)  # all 9 rows' logits
+    assert wide == 4 * (2 * layer + 400 + 9 * 32 + 9 * 8)
     tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16)
     # 10 tokens x (2 x 8 + 8 + 2 x 4 + 3 x 16); 3 captured layers x 10 x 8, filling and 2 in flight.
     assert split.target_step_bytes(tc, 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
@@ -180,10 +181,53 @@ def test_one_step_s_memory_estimated_by_hand():
     ids, mask = planned_ids(job, tcfg, spec)
     floor = memory_floor(job, tcfg, spec, ids, mask, [(0, max(ids) + 1)])
     H, I, V, q, kv, T, rows = 4096, 12288, 151936, 4096, 1024, 3072, 512 * 16
-    layer = rows * (2 * H + 2 * q + 2 * I) + (rows + T) * 2 * kv
-    assert floor.drafter_step == 2 * (5 * layer + T * 6 * H + 4096 * V + 512 * 15 * H)
+    layer = rows * (4 * H + 3 * q + 3 * I) + (rows + T) * 3 * kv
+    assert floor.drafter_step == 2 * (5 * layer + T * 7 * H + 4096 * V + 512 * 15 * H)
     assert floor.target_step == 2 * (T * (2 * H + q + 2 * kv + 3 * I) + 3 * T * 5 * H)
-    assert 4.5 * GIB < floor.drafter_step < 5 * GIB and 0.5 * GIB < floor.target_step < 0.7 * GIB
+    assert 6.5 * GIB < floor.drafter_step < 7 * GIB and 0.5 * GIB < floor.target_step < 0.7 * GIB
+
+
+def test_the_estimate_counts_what_the_compiled_layers_save_for_the_backward():
+    """The drafter's step compiled as a run compiles it (each layer, default mode), its saved tensors
+    summed by storage: within a few percent of `drafter_step_bytes` without the CE's logits chunk (a
+    transient). Left out: the weights, the target's embedding and head, and the CPU's dense attention
+    mask (one per layer: CUDA runs the block kernels, which take spans)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from dflash_mp.model import DFlashDrafter, DrafterArgs
+    from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from common import synthetic_batch
+
+    H, V, T, A, B, chunk = 96, 256, 256, 16, 8, 64
+    args = DrafterArgs(hidden_size=H, intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2,
+                       head_dim=16, vocab_size=V, target_layer_ids=[1, 2, 3], block_size=B,
+                       mask_token_id=V - 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(args).to(torch.bfloat16)
+    embed, head = (torch.randn(V, H) * 0.02).bfloat16(), (torch.randn(V, H) * 0.02).bfloat16()
+    objective = DFlashObjective(drafter, args, embed, head, DrafterConfig(
+        block_size=B, num_anchors=A, max_anchors_per_doc=16, loss_chunk_size=chunk, attention="dense"))
+    cfg = TrainConfig(compile="default", compile_scope="layers", warmup_ratio=0.0, precision="bf16")
+    trainer = DrafterTrainer(objective, cfg, 10, None, torch.device("cpu"))
+    batch = synthetic_batch(T, 3 * H, V, "cpu", torch.bfloat16, seed=0, lo=64, hi=200)
+    trainer.forward_backward(batch)  # compiles
+    held = {t.untyped_storage().data_ptr() for t in (*drafter.parameters(), embed, head)}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in held and tuple(t.shape) != (1, 1, A * B, T + A * B):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.forward_backward(batch)
+    estimate = split.drafter_step_bytes(DrafterShape.from_args(args), T, A, B, chunk) - 2 * chunk * V
+    assert 0.95 < sum(saved.values()) / estimate < 1.05, (sum(saved.values()), estimate)
 
 
 def test_a_layout_over_the_estimate_is_marked_and_never_recommended():
@@ -236,8 +280,9 @@ def test_cli_checks_the_layouts_against_a_gpu_s_memory(capsys):
     # activations; on that card it ran out of memory (BENCHMARKS.md, calls B2 and C1). On 141 GB it runs.
     main(["experiment=qwen3_5_27b", "plan.world_size=1", "plan.gpu_memory_gib=79.2"])
     out = capsys.readouterr().out
-    assert ("(likely out of memory: a GPU holding a target and a drafter needs ~7" in out and "torchrun" not in out
-            and "no layout fits on 1 GPU: a target and a drafter rank need a GPU each (together ~7" in out)
+    assert "(likely out of memory: a GPU holding a target and a drafter needs ~82.5 GiB" in out
+    assert "no layout fits on 1 GPU: a target and a drafter rank need a GPU each (together ~82.5 GiB)" in out
+    assert "torchrun" not in out
     main(["experiment=qwen3_5_27b", "plan.world_size=1", "plan.gpu_memory_gib=139.8"])
     out = capsys.readouterr().out
     assert "<- the only layout" in out and "out of memory:" not in out

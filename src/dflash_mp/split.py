@@ -228,16 +228,18 @@ class MemoryFloor:
 def drafter_step_bytes(s: DrafterShape, seq_len: int, num_anchors: int, block_size: int, chunk_rows: int,
                        itemsize: int = 2) -> int:
     """What one drafter training step holds on top of its weights and training state, estimated from
-    its shapes (activations of `itemsize` bytes): per layer, what the backward reads of each of the
-    A*B block rows (the layer's input and its sum with the attention's output, the q projection and
-    the attention's output, the MLP's gate and up outputs) and the k/v projections of the context and
-    block rows; the received target states and the fused context; the fused CE's chunk of logits
-    (`chunk_rows` x vocab, its gradient written in place) and the gradient it hands the blocks' rows.
-    Pointwise results (norms, RoPE, SwiGLU) are recomputed in the backward and not counted."""
+    its shapes (activations of `itemsize` bytes) as the compiled layers save them for the backward:
+    per layer and block row (A*B of them), the layer's input and its sum with the attention's output,
+    each also normalised (4 x hidden), the queries before and after RoPE and the attention's output
+    (3 x q), the MLP's gate, up and their product (3 x intermediate); per layer and context or block
+    row, the keys before and after RoPE and the values (3 x kv). On top: the received target states,
+    the fused context before and after its norm, the fused CE's chunk of logits (`chunk_rows` x vocab,
+    its gradient written in place) and the gradient it hands the predicted rows. The first and last
+    layers, which run fewer rows, are counted as the others: an estimate from above for them."""
     rows = num_anchors * block_size
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    layer = rows * (2 * s.hidden + 2 * q + 2 * s.intermediate) + (rows + seq_len) * 2 * kv
-    context = seq_len * (s.num_target_layers + 1) * s.hidden
+    layer = rows * (4 * s.hidden + 3 * q + 3 * s.intermediate) + (rows + seq_len) * 3 * kv
+    context = seq_len * (s.num_target_layers + 2) * s.hidden
     predicted = num_anchors * (block_size - 1)
     ce = min(chunk_rows, predicted) * s.vocab + predicted * s.hidden
     return itemsize * (s.num_layers * layer + context + ce)
