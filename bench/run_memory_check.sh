@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The planner's memory floor and estimate (python -m dflash_mp.plan) against what one GPU holds:
+#   1. the CUDA test of the target's load check (weights over the GPU's free memory are refused at once);
+#   2. the planner on this GPU for the 8B and 27B presets (floor and estimate of each role);
+#   3. the 8B drafter step alone (bench/drafter_step.py), launched from Python (+nograph: its allocated peak
+#      is weights, training state and one step's activations) and captured as a CUDA graph (the default);
+#   4. with JOB_DIR, the run directory of an 8B job at its defaults: its drafter's reserved peak.
+# From the repo root, after a job compiled the drafter (its Inductor cache then serves step 3):
+#   ROWS=1 STEPS=40 bash bench/run_rows_h200.sh; JOB_DIR=/tmp/dflash_rows/rows1 bash bench/run_memory_check.sh
+# Writes memory_check.log and memory_check.json under $OUT; prints the table last.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
+bench_env
+LOG=$OUT/memory_check.log
+mkdir -p "$OUT"
+t0=$SECONDS
+step loadcheck 150 python3 -m pytest -q -p no:cacheprovider \
+    "tests/test_stages.py::test_on_a_gpu_the_target_load_refuses_weights_that_do_not_fit_its_free_memory"
+for run in "qwen3_8b plan.world_size=1" "qwen3_5_27b plan.world_size=1" "qwen3_5_27b plan.world_size=8"; do
+    # shellcheck disable=SC2086  # the experiment and the world size are two arguments
+    step "plan $run" 90 python3 -m dflash_mp.plan experiment=$run
+done
+(cd bench && step drafter "${T_DRAFTER:-240}" env OUT=/tmp/memory_drafter python3 drafter_step.py --preset qwen3_8b \
+    --modes default+ce=triton+nograph,default+ce=triton --scope layers --steps 6 --warmup 3 --loss-steps 0)
+cp /tmp/memory_drafter/drafter_qwen3_8b_layers.json "$OUT/memory_drafter.json" 2>/dev/null
+python3 - "$OUT" "${JOB_DIR:-}" <<'EOF' | tee -a "$LOG"
+import json, os, sys
+
+from dflash_mp.config import compose
+from dflash_mp.plan import memory_floor, planned_ids, target_config_for
+from dflash_mp.split import GIB
+from dflash_mp.target import TargetSpec
+
+out, job_dir = sys.argv[1], sys.argv[2]
+job = compose(["experiment=qwen3_8b"])
+tcfg = target_config_for(job)
+spec = TargetSpec.from_config(tcfg)
+ids, mask = planned_ids(job, tcfg, spec)
+f = memory_floor(job, tcfg, spec, ids, mask, [(0, max(ids) + 1)])
+rows = []
+try:
+    with open(os.path.join(out, "memory_drafter.json")) as fh:
+        modes = json.load(fh)["modes"]
+except (OSError, KeyError, ValueError):
+    modes = []
+for m in modes:
+    rows.append((f"8B drafter step alone, {m['mode']}", m.get("peak_mem_gib"), m.get("peak_reserved_gib")))
+scalars = os.path.join(job_dir, "tb", "drafter", "scalars.jsonl") if job_dir else ""
+if scalars and os.path.exists(scalars):
+    peaks = [json.loads(ln).get("memory/max_reserved_gib") for ln in open(scalars)]
+    rows.append(("8B job's drafter rank (1 + 1 on the GPU)", None, max(p for p in peaks if p is not None)))
+print(f"planner, 8B drafter rank: floor {f.drafter / GIB:.2f} GiB, estimate {(f.drafter + f.drafter_step) / GIB:.2f}")
+print(f"{'measured':45} {'allocated GiB':>14} {'reserved GiB':>13} {'reserved / estimate':>20}")
+est = (f.drafter + f.drafter_step) / GIB
+for name, alloc, res in rows:
+    a = f"{alloc:.2f}" if alloc is not None else "-"
+    r = f"{res:.2f}" if res is not None else "-"
+    ratio = f"{res / est:.3f}" if res is not None else "-"
+    print(f"{name:45} {a:>14} {r:>13} {ratio:>20}")
+json.dump({"floor_gib": f.drafter / GIB, "estimate_gib": est,
+           "measured": [dict(zip(("what", "allocated_gib", "reserved_gib"), r)) for r in rows]},
+          open(os.path.join(out, "memory_check.json"), "w"), indent=1)
+EOF
+echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"
