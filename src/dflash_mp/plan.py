@@ -41,10 +41,10 @@ import torch
 from .archs import TARGET_ARCHS, hf_config, known_target_config
 from .batch import HiddenBatch, PackedBatch
 from .cli import entry, tool_main
+from .flops import DrafterShape
 from .model import DFlashDrafter
 from .optim import held_bytes_per_param
 from .runtime import pick_device, resolve, validate
-from .flops import DrafterShape
 from .split import (DRAFTER_MFU, GIB, TARGET_MFU, Layout, MemoryFloor, best_whole, drafter_step_bytes,
                     fluid_bound, job_workload, plan_layouts, target_step_bytes)
 from .stages import plan_stages

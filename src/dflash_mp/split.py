@@ -214,15 +214,15 @@ class MemoryFloor:
             return None
         target, drafter = self._roles(layout, step)
         if layout.shared_gpus and target + drafter == need:
-            who, verb = "a GPU holding a target and a drafter", "holds"
+            who = "a GPU holding a target and a drafter"
         elif target == need:
-            who, verb = "a target rank", "holds"
+            who = "a target rank"
         else:
-            who, verb = "a drafter rank", "holds"
+            who = "a drafter rank"
         if step:
             return (f"{who} needs ~{need / GIB:.1f} GiB with one step's activations (estimated), "
                     f"the GPU {gpu_bytes / GIB:.1f}")
-        return f"{who} {verb} >= {need / GIB:.1f} GiB, the GPU {gpu_bytes / GIB:.1f}"
+        return f"{who} holds >= {need / GIB:.1f} GiB, the GPU {gpu_bytes / GIB:.1f}"
 
 
 def drafter_step_bytes(s: DrafterShape, seq_len: int, num_anchors: int, block_size: int, chunk_rows: int,
