@@ -84,8 +84,7 @@ def measure(name: str, path: str, cfg: dict, layer_ids: list[int], attn: str, a,
              max_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
     if a.profile:
         r["profile"] = kernel_profile(lambda: worker.forward(pb), dev, n=2, top=20)
-    del worker, eager, want
-    return r, compiled
+    return r, compiled  # the workers and the eager captures are freed with this frame
 
 
 def main() -> None:
