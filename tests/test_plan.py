@@ -187,12 +187,11 @@ def test_one_step_s_memory_estimated_by_hand():
     assert 6.5 * GIB < floor.drafter_step < 7 * GIB and 0.5 * GIB < floor.target_step < 0.7 * GIB
 
 
-def test_the_estimate_counts_what_the_compiled_layers_save_for_the_backward():
+def test_the_estimate_counts_what_the_compiled_layers_save_for_the_backward(monkeypatch):
     """The drafter's step compiled as a run compiles it (each layer, default mode), its saved tensors
     summed by storage: within a few percent of `drafter_step_bytes` without the CE's logits chunk (a
     transient). Left out: the weights, the target's embedding and head, and the CPU's dense attention
     mask (one per layer: CUDA runs the block kernels, which take spans)."""
-    import sys
     from pathlib import Path
 
     import torch
@@ -200,7 +199,7 @@ def test_the_estimate_counts_what_the_compiled_layers_save_for_the_backward():
     from dflash_mp.model import DFlashDrafter, DrafterArgs
     from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     from common import synthetic_batch
 
     H, V, T, A, B, chunk = 96, 256, 256, 16, 8, 64
