@@ -169,11 +169,17 @@ def test_one_step_s_memory_estimated_by_hand():
     assert split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=5) == 2 * (2 * layer + 400 + 5 * 32 + 9 * 8)
     wide = split.drafter_step_bytes(shape, 10, 3, 4, chunk_rows=64, itemsize=4)  # all 9 rows' logits
     assert wide == 4 * (2 * layer + 400 + 9 * 32 + 9 * 8)
-    tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16)
+    tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
+              num_hidden_layers=2, vocab_size=32)
     # 10 tokens x (2 x 8 + 8 + 2 x 4 + 3 x 16); 3 captured layers x 10 x 8, filling and 2 in flight.
-    assert split.target_step_bytes(tc, 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
+    assert split.target_step_bytes(TargetSpec.from_config(tc), tc, 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
     moe = dict(tc, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)  # 2 experts of 6 a token
-    assert split.target_step_bytes(moe, 10, 3, depth=1) == 2 * (10 * (32 + 36) + 2 * 240)
+    moe_spec = TargetSpec.from_config(moe)
+    assert split.target_step_bytes(moe_spec, moe, 10, 3, depth=1) == 2 * (10 * (32 + 36) + 2 * 240)
+    # kv heads and head_dim left out of a config are read as TargetSpec reads them (heads, hidden / heads):
+    # 10 tokens x (2 x 8 + 8 + 2 x 8 + 3 x 16).
+    bare = dict(tc, num_key_value_heads=None, head_dim=None)
+    assert split.target_step_bytes(TargetSpec.from_config(bare), bare, 10, 3, depth=2) == 2 * (10 * 88 + 720)
     # The 8B job's figures through plan.memory_floor (drafter.loss_chunk_size=4096, transport.depth=2).
     job = compose(["experiment=qwen3_8b"])
     tcfg = target_config_for(job)

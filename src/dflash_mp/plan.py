@@ -93,14 +93,14 @@ def memory_floor(job, target_config: dict, spec: TargetSpec, layer_ids: list[int
     n = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     work = torch.bfloat16 if resolve_precision(job.train.precision, cuda) == "bf16" else torch.float32
     # The target's embedding and LM head the drafter reads (frozen): one tensor where they are tied.
-    frozen = ((1 if target_config.get("tie_word_embeddings") else 2) * target_config["vocab_size"]
-              * target_config["hidden_size"] * dtype.itemsize)
+    frozen = ((1 if target_config.get("tie_word_embeddings") else 2) * spec.vocab_size * spec.hidden_size
+              * dtype.itemsize)
     # One step's working memory on top, estimated from the shapes (split.{target,drafter}_step_bytes).
     a = drafter.args
     drafter_step = drafter_step_bytes(DrafterShape.from_args(a), job.data.seq_len, job.drafter.num_anchors,
                                       a.block_size, job.drafter.loss_chunk_size, work.itemsize)
-    target_step = target_step_bytes(target_config, job.data.seq_len, len(layer_ids), job.transport.depth,
-                                    dtype.itemsize)
+    target_step = target_step_bytes(spec, target_config, job.data.seq_len, len(layer_ids),
+                                    job.transport.depth, dtype.itemsize)
     return MemoryFloor(target, n * held_bytes_per_param(work) + frozen,
                        n * held_bytes_per_param(work, replicas=2) + frozen, target_step, drafter_step)
 
@@ -206,7 +206,11 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
     whose floor does not fit, or whose estimate with one step's activations does not, are marked and
     never recommended), the launch, and the memory floor and estimate."""
     checked = floor is not None and gpu is not None
-    misfits = [_misfit(floor, lay, gpu) if checked else None for lay in layouts]
+    over = [floor.misfit(lay, gpu) if checked else None for lay in layouts]  # the floor does not fit
+    likely = [floor.misfit(lay, gpu, step=True) if checked and why is None else None  # the estimate does not
+              for lay, why in zip(layouts, over)]
+    misfits = [f"does not fit: {o}" if o else f"likely out of memory: {k}" if k else None
+               for o, k in zip(over, likely)]
     lines = _layouts_lines(world, t, d, layouts, misfits, seq_len, stages, balance)
     if floor is not None:
         stage = " (its largest stage)" if stages > 1 else ""
@@ -221,26 +225,13 @@ def format_report(world: int, t: float, d: float, layouts: list[Layout], seq_len
                      "compiled graphs, the CUDA context and the allocator's cache come on top")
     if not checked:
         return "\n".join(lines + [MEMORY_CAVEAT])
-    over = sum(m is not None and m.startswith(DOES_NOT_FIT) for m in misfits)
-    likely = sum(m is not None for m in misfits) - over
-    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): of {len(layouts)} layouts, {over} "
-                 f"over the floor and {likely} over the estimate (marked); the others may still run out of "
-                 "memory, the allocator's cache and compiled graphs coming on top")
-    if over + likely == len(layouts):
+    n_over, n_likely = sum(o is not None for o in over), sum(k is not None for k in likely)
+    lines.append(f"checked against {gpu / GIB:.1f} GiB a GPU ({gpu_from}): of {len(layouts)} layouts, "
+                 f"{n_over} over the floor and {n_likely} over the estimate (marked); the others may still run "
+                 "out of memory, the allocator's cache and compiled graphs coming on top")
+    if n_over + n_likely == len(layouts):
         lines.append(_no_fit(floor, gpu, stages, world))
     return "\n".join(lines)
-
-
-DOES_NOT_FIT, LIKELY_OOM = "does not fit", "likely out of memory"
-
-
-def _misfit(floor: MemoryFloor, layout: Layout, gpu: float) -> str | None:
-    """How `layout` is marked on GPUs of `gpu` bytes: over the floor, over the estimate, or None."""
-    why = floor.misfit(layout, gpu)
-    if why is not None:
-        return f"{DOES_NOT_FIT}: {why}"
-    why = floor.misfit(layout, gpu, step=True)
-    return None if why is None else f"{LIKELY_OOM}: {why}"
 
 
 def _no_fit(floor: MemoryFloor, gpu: float, stages: int, world: int) -> str:

@@ -245,19 +245,16 @@ def drafter_step_bytes(s: DrafterShape, seq_len: int, num_anchors: int, block_si
     return itemsize * (s.num_layers * layer + context + ce)
 
 
-def target_step_bytes(config: dict, seq_len: int, num_captured: int, depth: int, itemsize: int = 2) -> int:
-    """What one target forward holds on top of the weights, estimated from the config (a dense
-    layer's shapes; a mixture of experts counts the experts each token visits): the residual stream
-    and a layer's largest transients (its input norm, q/k/v, the MLP's gate, up and product), and the
-    captured states, the batch being filled plus `depth` in flight to the drafter."""
-    h = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    if num_experts(config):
-        inter = config["moe_intermediate_size"] * config["num_experts_per_tok"]
-    else:
-        inter = config["intermediate_size"]
+def target_step_bytes(spec, config: dict, seq_len: int, num_captured: int, depth: int,
+                      itemsize: int = 2) -> int:
+    """What one target forward holds on top of the weights, estimated from its shapes (`spec`, the
+    TargetSpec of `config`; a mixture of experts counts the experts each token visits, from `config`):
+    the residual stream and a layer's largest transients (its input norm, q/k/v, the MLP's gate, up and
+    product), and the captured states, the batch being filled plus `depth` in flight to the drafter."""
+    h = spec.hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    inter = (config["moe_intermediate_size"] * config["num_experts_per_tok"] if num_experts(config)
+             else spec.intermediate_size)
     layer = seq_len * (2 * h + q + 2 * kv + 3 * inter)
     return itemsize * (layer + (1 + depth) * seq_len * num_captured * h)
 
