@@ -23,6 +23,7 @@ from .compile_stats import counts as compile_counts
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
                     target_layers_flops)
 from .batch import PackedBatch
+from .gpu_memory import memory_scalars
 from .resilience import DataTally
 
 log = logging.getLogger(__name__)
@@ -449,8 +450,8 @@ class DrafterMetrics:
         w.add_scalar("compile/graphs", c["graphs"], step)
         w.add_scalar("compile/cudagraph_records", c["cudagraph_records"], step)
         w.add_scalar("compile/recompiles", c["graphs"] - self.graphs_after_warmup, step)
-        if self.device.type == "cuda":
-            w.add_scalar("memory/max_reserved_gib", torch.cuda.max_memory_reserved(self.device) / 2**30, step)
+        for tag, gib in memory_scalars(self.device).items():
+            w.add_scalar(tag, gib, step)
         w.flush()
         self.bar.update(step - self.last, {"loss": vals["loss"], "tau": vals["tau_sim"]})
         self.t0, self.wait_s, self.last = time.perf_counter(), 0.0, step
@@ -523,5 +524,7 @@ class TargetMetrics:
         w.add_scalar("comm/in_flight", vals["in_flight"], step)
         if "wait_ms" in st or vals["stage_wait_ms"]:
             w.add_scalar("comm/stage_wait_ms", vals["stage_wait_ms"], step)
+        for tag, gib in memory_scalars(self.device).items():
+            w.add_scalar(tag, gib, step)
         w.flush()
         self.t0, self.tokens, self.flops, self.docs, self.last = time.perf_counter(), 0, 0.0, 0, step

@@ -31,6 +31,7 @@ from .compile_stats import cache_counts, describe_cache
 from .compile_stats import counts as compile_counts
 from .config import JobConfig
 from .export import export_drafter, job_yaml
+from .gpu_memory import give_back_cached
 from .gpu_turns import GpuTurns
 from .liveness import Liveness, NullLiveness, process_age_s
 from .metrics import DrafterMetrics, Hiccups, Progress, TargetMetrics, make_writer, quiet_console
@@ -342,7 +343,10 @@ class DrafterRun(_RoleRun):
             self.fault, guard=self.protect)
         self.start, path = self.checkpointer.resolve(effective_resume(job.checkpoint.resume))
         if path is not None:
-            self.checkpointer.load(path, self.trainer, map_location=ctx.device)
+            # Read into host memory and copied in one parameter at a time: loaded onto the GPU whole,
+            # the fp32 master and both moments (12 bytes a parameter) would sit beside their live copies.
+            self.checkpointer.load(path, self.trainer)
+            give_back_cached(ctx.device, "resumed drafter")
             log.info("resumed from %s at step %d", path, self.start)
         with ExitStack() as stack:
             stack.callback(self.checkpointer.close)  # last: a write under way finishes

@@ -22,6 +22,7 @@ from torch import nn
 
 from .batch import HiddenBatch
 from .cuda_graph import describe_state
+from .gpu_memory import give_back_cached
 from .model import (
     DFlashDrafter,
     DrafterArgs,
@@ -315,6 +316,10 @@ class DrafterTrainer:
         self.stats = IntervalStats(b, device)
         self._marks: _Marks | None = None  # time points of the last timed step
         self.graph = StepGraph(device) if self.graph_why is None else None
+        # The parameters' first tensors (now copied into the flat buffers) and the target head's fp32
+        # draw are free blocks in the allocator's cache: given back before the first step lays out its
+        # activations beside them.
+        give_back_cached(device, "drafter trainer")
 
     def describe_graph(self) -> str:
         """The step as a CUDA graph, for the choices table and the log."""

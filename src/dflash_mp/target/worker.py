@@ -16,6 +16,7 @@ from torch import nn
 
 from ..batch import HiddenBatch, PackedBatch, join_rows
 from ..cuda_graph import describe_state
+from ..gpu_memory import give_back_cached
 from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
 from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
@@ -258,6 +259,7 @@ class TargetWorker:
         else:
             log.warning("target.packing_check=false: %s is not checked for leaks across packed documents",
                         type(model).__name__)
+        give_back_cached(device, "target")  # a random target's fp32 draws, the checks' activations
         return worker
 
     def _compile_layers(self) -> None:
