@@ -23,6 +23,8 @@ import torch
 from common import DRAFTERS, add_process_options, apply_process_options, blas_library, block_kernel_settings, kernel_profile, kernel_sources, median, synthetic_batch, timed, write_json
 from dflash_mp.compile_stats import counts, graph_mismatches
 from flex_tiles import DEFAULT_TILES, TRITON_VARIANTS, VARIANTS as TILES
+from dflash_mp import trainer as trainer_module
+from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import global_norm
@@ -69,18 +71,19 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     (torch.backends.cuda.preferred_blas_library("cublaslt") for this mode's run; the default: cuBLAS);
     `+swiglu` the MLPs' gate/up GEMM with the SwiGLU as its epilogue and the SwiGLU's gradient in the
     down projection's backward GEMM (swiglu.swiglu_mlp; the default: cuBLAS GEMMs and Inductor's
-    pointwise kernels)."""
+    pointwise kernels); `+keepcache` the trainer keeps what its build left in the allocator's cache
+    (the default gives it back, gpu_memory.give_back_cached)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
                        "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
-                       "lt", "swiglu") or (
+                       "lt", "swiglu", "keepcache") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
                              f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+masked, +lt, +swiglu, "
+                             f"+masked, +lt, +swiglu, +keepcache, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -121,8 +124,13 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
     cfg = TrainConfig(compile=mode, compile_scope=scope, loss_kernel=flags.get("ce", "eager"), max_steps=10_000,
                       warmup_ratio=0.0, precision="amp" if "amp" in flags else "auto",
                       optimizer_overlap="serial" not in flags, cuda_graph="nograph" not in flags)
-    tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
-                        direct_grads="flatgrads" not in flags, split_master="fullmaster" not in flags)
+    if "keepcache" in flags:  # the trainer module's name for it, for this build only
+        trainer_module.give_back_cached = lambda device, what: 0
+    try:
+        tr = DrafterTrainer(obj, cfg, 10_000, None, device, write_grads="addgrads" not in flags,
+                            direct_grads="flatgrads" not in flags, split_master="fullmaster" not in flags)
+    finally:
+        trainer_module.give_back_cached = give_back_cached
     if "foreachnorm" in flags:
         tr.opt.grad_norm = global_norm
     return tr
@@ -136,7 +144,12 @@ def flops_per_step(p: dict, stats: dict, steps: int) -> float:
 
 
 def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=False) -> dict:
+    cuda = device.type == "cuda"
+    if cuda:  # this mode's peaks: its build, its warm-up (compile, launched steps, the capture), then its steps
+        torch.cuda.reset_peak_memory_stats(device)
     tr = build(p, mode, device, chunk, scope)
+    built = {"reserved": torch.cuda.memory_reserved(device) / 2**30,
+             "allocated": torch.cuda.memory_allocated(device) / 2**30} if cuda else {}
     i = [0]
 
     def step(tr=tr, wait=True):
@@ -146,9 +159,10 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
             tr.opt.wait_all()
 
     warm = timed(step, warmup, device)
+    warmed = memory_scalars(device)
     tr.stats.pop()
     c0, m0 = counts(), graph_mismatches()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     synced = timed(step, steps, device)  # one step at a time, the host waiting for each
     # As training runs: steps back to back, the host queueing ahead, one sync at the end.
@@ -195,6 +209,11 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         # Reserved too: a captured step's activations and gradients live in its graph's pool, whose blocks
         # the allocator counts as allocated only while the capture holds them (not during replays).
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0,
+        # Before the timed steps (whose peaks are the two above): once built, and the build's and
+        # warm-up's peaks, the whole process's as a job's `memory/max_reserved_gib` counts it.
+        "built_reserved_gib": built.get("reserved"), "built_allocated_gib": built.get("allocated"),
+        "warmup_peak_reserved_gib": warmed.get("memory/max_reserved_gib"),
+        "warmup_peak_allocated_gib": warmed.get("memory/max_allocated_gib"),
         "fwd_bwd_ms": None if whole else median(fb), "optimizer_ms": None if whole else median(op),
         "graph_step_ms": median(whole) if whole else None,
         "cuda_graph": tr.describe_graph(), "graph_replays": tr.graph.replays if tr.graph else 0,

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The planner's memory floor and estimate (python -m dflash_mp.plan) against what one GPU holds:
-#   1. the CUDA test of the target's load check (weights over the GPU's free memory are refused at once);
+#   1. the CUDA tests of the target's load check (weights over the GPU's free memory are refused at once)
+#      and of what a built trainer leaves cached (tests/test_gpu_memory.py);
 #   2. the planner on this GPU for the 8B and 27B presets (floor and estimate of each role);
 #   3. the 8B drafter step alone (bench/drafter_step.py), launched from Python (+nograph: its allocated peak
-#      is weights, training state and one step's activations) and captured as a CUDA graph (the default);
-#   4. with JOB_DIR, the run directory of an 8B job at its defaults: its drafter's reserved peak.
+#      is weights, training state and one step's activations), captured as a CUDA graph (the default), and
+#      captured keeping what the build left cached (+keepcache): reserved once built, the peaks over build
+#      and warm-up (what a job's memory/max_reserved_gib counts) and reserved over the timed steps;
+#   4. with JOB_DIR, the run directory of an 8B job at its defaults: each role's peaks and what it held last.
 # From the repo root, after a job compiled the drafter (its Inductor cache then serves step 3):
 #   ROWS=1 STEPS=40 bash bench/run_rows_h200.sh; JOB_DIR=/tmp/dflash_rows/rows1 bash bench/run_memory_check.sh
 # Writes memory_check.log and memory_check.json under $OUT; prints the table last.
@@ -14,13 +17,15 @@ LOG=$OUT/memory_check.log
 mkdir -p "$OUT"
 t0=$SECONDS
 step loadcheck 150 python3 -m pytest -q -p no:cacheprovider \
-    "tests/test_stages.py::test_on_a_gpu_the_target_load_refuses_weights_that_do_not_fit_its_free_memory"
+    "tests/test_stages.py::test_on_a_gpu_the_target_load_refuses_weights_that_do_not_fit_its_free_memory" \
+    tests/test_gpu_memory.py
 for run in "qwen3_8b plan.world_size=1" "qwen3_5_27b plan.world_size=1" "qwen3_5_27b plan.world_size=8"; do
     # shellcheck disable=SC2086  # the experiment and the world size are two arguments
     step "plan $run" 90 python3 -m dflash_mp.plan experiment=$run
 done
 (cd bench && step drafter "${T_DRAFTER:-240}" env OUT=/tmp/memory_drafter python3 drafter_step.py --preset qwen3_8b \
-    --modes default+ce=triton+nograph,default+ce=triton --scope layers --steps 6 --warmup 3 --loss-steps 0)
+    --modes "${MEMORY_MODES:-default+ce=triton+nograph,default+ce=triton,default+ce=triton+keepcache}" \
+    --scope layers --steps 6 --warmup 3 --loss-steps 0)
 cp /tmp/memory_drafter/drafter_qwen3_8b_layers.json "$OUT/memory_drafter.json" 2>/dev/null
 python3 - "$OUT" "${JOB_DIR:-}" <<'EOF' | tee -a "$LOG"
 import json, os, sys
@@ -42,22 +47,31 @@ try:
         modes = json.load(fh)["modes"]
 except (OSError, KeyError, ValueError):
     modes = []
+# (what, reserved once built, peak reserved over build and warm-up, peak allocated then, reserved over the steps)
 for m in modes:
-    rows.append((f"8B drafter step alone, {m['mode']}", m.get("peak_mem_gib"), m.get("peak_reserved_gib")))
-scalars = os.path.join(job_dir, "tb", "drafter", "scalars.jsonl") if job_dir else ""
-if scalars and os.path.exists(scalars):
-    peaks = [json.loads(ln).get("memory/max_reserved_gib") for ln in open(scalars)]
-    rows.append(("8B job's drafter rank (1 + 1 on the GPU)", None, max(p for p in peaks if p is not None)))
-print(f"planner, 8B drafter rank: floor {f.drafter / GIB:.2f} GiB, estimate {(f.drafter + f.drafter_step) / GIB:.2f}")
-print(f"{'measured':45} {'allocated GiB':>14} {'reserved GiB':>13} {'reserved / estimate':>20}")
+    rows.append((f"8B drafter step alone, {m['mode']}", m.get("built_reserved_gib"), m.get("warmup_peak_reserved_gib"),
+                 m.get("warmup_peak_allocated_gib"), m.get("peak_reserved_gib")))
+for role in ("drafter", "target"):
+    scalars = os.path.join(job_dir, "tb", role, "scalars.jsonl") if job_dir else ""
+    if scalars and os.path.exists(scalars):
+        logged = [json.loads(ln) for ln in open(scalars)]
+        last = {k: v for d in logged for k, v in d.items() if k.startswith("memory/")}
+        if last:  # the run's peaks (warm-up included) and what it held at its last log
+            rows.append((f"8B job's {role} rank (1 + 1 on the GPU)", None, last.get("memory/max_reserved_gib"),
+                         last.get("memory/max_allocated_gib"), last.get("memory/reserved_gib")))
 est = (f.drafter + f.drafter_step) / GIB
-for name, alloc, res in rows:
-    a = f"{alloc:.2f}" if alloc is not None else "-"
-    r = f"{res:.2f}" if res is not None else "-"
-    ratio = f"{res / est:.3f}" if res is not None else "-"
-    print(f"{name:45} {a:>14} {r:>13} {ratio:>20}")
+print(f"planner, 8B drafter rank: floor {f.drafter / GIB:.2f} GiB, estimate {est:.2f}; "
+      f"target rank: floor {f.target / GIB:.2f}, estimate {(f.target + f.target_step) / GIB:.2f}")
+heads = ("built, reserved", "peak reserved", "peak allocated", "steps, reserved", "peak / estimate")
+print(f"{'measured (GiB)':50} " + " ".join(f"{h:>16}" for h in heads))
+for name, built, peak, alloc, steady in rows:
+    ratio = peak / est if peak is not None and "target" not in name else None
+    print(f"{name:50} " + " ".join(f"{v:16.2f}" if v is not None else f"{'-':>16}"
+                                   for v in (built, peak, alloc, steady, ratio)))
 json.dump({"floor_gib": f.drafter / GIB, "estimate_gib": est,
-           "measured": [dict(zip(("what", "allocated_gib", "reserved_gib"), r)) for r in rows]},
+           "target_floor_gib": f.target / GIB, "target_estimate_gib": (f.target + f.target_step) / GIB,
+           "measured": [dict(zip(("what", "built_reserved_gib", "peak_reserved_gib", "peak_allocated_gib",
+                                  "steps_reserved_gib"), r)) for r in rows]},
           open(os.path.join(out, "memory_check.json"), "w"), indent=1)
 EOF
 echo "== done at $((SECONDS - t0)) s" | tee -a "$LOG"
