@@ -145,7 +145,7 @@ def flops_per_step(p: dict, stats: dict, steps: int) -> float:
 
 def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=False) -> dict:
     cuda = device.type == "cuda"
-    if cuda:  # this mode's peaks: its build, its warm-up (compile, launched steps, the capture), then its steps
+    if cuda:  # this mode's peaks: its build, its warm-up (compile, launched steps, the capture), its steps
         torch.cuda.reset_peak_memory_stats(device)
     tr = build(p, mode, device, chunk, scope)
     built = {"reserved": torch.cuda.memory_reserved(device) / 2**30,

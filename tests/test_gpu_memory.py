@@ -33,7 +33,8 @@ def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
     torch.cuda.empty_cache()
     idle0 = idle_bytes()
     args = DrafterArgs(hidden_size=1024, intermediate_size=4096, num_layers=4, num_heads=8, num_kv_heads=2,
-                       head_dim=128, vocab_size=8192, target_layer_ids=[1, 2, 3], block_size=16, mask_token_id=8191)
+                       head_dim=128, vocab_size=8192, target_layer_ids=[1, 2, 3], block_size=16,
+                       mask_token_id=8191)
     torch.manual_seed(0)
     with torch.device(dev):
         drafter = DFlashDrafter(args)
@@ -41,8 +42,8 @@ def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
     # As random_target_head draws a random target's: in fp32, then cast.
     embed = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
     head = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
-    obj = DFlashObjective(drafter, args, embed, head, DrafterConfig(num_layers=4, block_size=16, num_anchors=64,
-                                                                    max_anchors_per_doc=64, loss_chunk_size=512))
+    cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64, loss_chunk_size=512)
+    obj = DFlashObjective(drafter, args, embed, head, cfg)
     DrafterTrainer(obj, TrainConfig(warmup_ratio=0.0), 100, None, dev)
     idle = idle_bytes() - idle0
     print(f"\nfp32 parameters {fp32 / 2**20:.0f} MiB; cached after the build {idle / 2**20:.1f} MiB")
