@@ -42,7 +42,8 @@ def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
     # As random_target_head draws a random target's: in fp32, then cast.
     embed = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
     head = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
-    cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64, loss_chunk_size=512)
+    cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64,
+                        loss_chunk_size=512)
     obj = DFlashObjective(drafter, args, embed, head, cfg)
     DrafterTrainer(obj, TrainConfig(warmup_ratio=0.0), 100, None, dev)
     idle = idle_bytes() - idle0

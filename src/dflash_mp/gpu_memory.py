@@ -26,8 +26,9 @@ def give_back_cached(device: torch.device, what: str) -> int:
     before = torch.cuda.memory_reserved(device)
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
-    log.info("%s built: %.2f GiB allocated, %.2f GiB reserved after giving back %.2f GiB its build "
-             "left cached", what, torch.cuda.memory_allocated(device) / GIB, reserved / GIB, (before - reserved) / GIB)
+    log.info("%s built: %.2f GiB allocated, %.2f GiB reserved after giving back %.2f GiB its build left "
+             "cached", what, torch.cuda.memory_allocated(device) / GIB, reserved / GIB,
+             (before - reserved) / GIB)
     return before - reserved
 
 
