@@ -49,3 +49,61 @@ def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
     idle = idle_bytes() - idle0
     print(f"\nfp32 parameters {fp32 / 2**20:.0f} MiB; cached after the build {idle / 2**20:.1f} MiB")
     assert idle < fp32 // 4, (idle, fp32)
+
+
+def _resume_into_a_cuda_trainer(rank, world, root):
+    """Train a step and checkpoint it; build a second trainer and resume it there: its weights and
+    moments equal the first's, and the load's peak stays far under the state's 12 bytes a parameter."""
+    import torch.distributed as dist
+
+    from dflash_mp import checkpoint as ckpt
+    from dflash_mp.batch import HiddenBatch
+
+    dev = torch.device("cuda")
+    args = DrafterArgs(hidden_size=1024, intermediate_size=4096, num_layers=4, num_heads=8, num_kv_heads=2,
+                       head_dim=128, vocab_size=8192, target_layer_ids=[1, 2, 3], block_size=16,
+                       mask_token_id=8191)
+    cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64,
+                        loss_chunk_size=512)
+
+    def trainer(seed: int) -> DrafterTrainer:
+        torch.manual_seed(seed)
+        with torch.device(dev):
+            drafter = DFlashDrafter(args)
+        embed = torch.randn(8192, 1024, device=dev).bfloat16()
+        obj = DFlashObjective(drafter, args, embed, embed, cfg)
+        return DrafterTrainer(obj, TrainConfig(compile="eager", warmup_ratio=0.0), 100, None, dev)
+
+    first = trainer(0)
+    n = 1024
+    g = torch.Generator(dev).manual_seed(0)
+    hb = HiddenBatch(hidden=torch.randn(n, 3 * 1024, generator=g, device=dev).bfloat16(),
+                     input_ids=torch.randint(0, 8191, (n,), generator=g, device=dev),
+                     position_ids=torch.arange(n, device=dev),
+                     doc_ids=torch.zeros(n, dtype=torch.long, device=dev),
+                     loss_mask=torch.ones(n, dtype=torch.long, device=dev), num_valid_tokens=n)
+    first.train_step(hb)
+    first.opt.wait_all()
+    cp = ckpt.Checkpointer(root, rank, True, dist.group.WORLD, keep=1, manifest={"world_size": world})
+    cp.save(first, 1, 100, wait=True)
+    second = trainer(1)
+    state_bytes = 12 * sum(p.numel() for p in second.params)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step = cp.load(cp.resolve("auto")[1], second)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    same = all(torch.equal(getattr(first.opt, k), getattr(second.opt, k))
+               for k in ("master", "exp_avg", "exp_avg_sq", "step"))
+    return {"step": step, "same": same, "peak": peak, "state_bytes": state_bytes}
+
+
+def test_a_resume_copies_the_checkpoint_in_a_tensor_at_a_time(tmp_path):
+    from dist_utils import run_ranks
+
+    got = run_ranks(_resume_into_a_cuda_trainer, 1, str(tmp_path), timeout=300, start_method="spawn")[0]
+    print(f"\nload peak {got['peak'] / 2**20:.0f} MiB over what the trainer held; the state "
+          f"{got['state_bytes'] / 2**20:.0f} MiB")
+    assert got["step"] == 1 and got["same"], got
+    assert got["peak"] < got["state_bytes"] // 4, got

@@ -326,9 +326,11 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"writing a checkpoint under {self.root} failed: {error}") from error
 
-    def load(self, path: str, state, map_location="cpu") -> int:
-        """Restore `state` and this rank's RNG from checkpoint `path`; returns its step."""
+    def load(self, path: str, state) -> int:
+        """Restore `state` and this rank's RNG from checkpoint `path`; returns its step. The state is read
+        into host memory and `state` copies it in a tensor at a time: a drafter's fp32 master and moments
+        (12 bytes a parameter) never sit on the GPU beside their live copies."""
         step = int(read_manifest(path)["step"])
-        state.load_state_dict(load_file(path, "drafter.pt", map_location=map_location))
+        state.load_state_dict(load_file(path, "drafter.pt"))
         set_rng_state(load_file(path, rng_file(self.rank)))
         return step

@@ -343,9 +343,7 @@ class DrafterRun(_RoleRun):
             self.fault, guard=self.protect)
         self.start, path = self.checkpointer.resolve(effective_resume(job.checkpoint.resume))
         if path is not None:
-            # Read into host memory and copied in one parameter at a time: loaded onto the GPU whole,
-            # the fp32 master and both moments (12 bytes a parameter) would sit beside their live copies.
-            self.checkpointer.load(path, self.trainer)
+            self.checkpointer.load(path, self.trainer)  # from host memory, a tensor at a time
             give_back_cached(ctx.device, "resumed drafter")
             log.info("resumed from %s at step %d", path, self.start)
         with ExitStack() as stack:
