@@ -1,10 +1,15 @@
-"""A built drafter trainer gives back what its build left in the CUDA allocator's cache (the parameters'
-first fp32 tensors, copied into the optimizer's flat buffers; the target head's fp32 draw): kept, it is
-memory a target sharing the GPU cannot have, and the first steps' activations are laid out beside it."""
+"""What building a role and resuming one leave on the GPU. A built drafter trainer gives back what its
+build left in the CUDA allocator's cache (the parameters' first fp32 tensors, copied into the optimizer's
+flat buffers; the target head's fp32 draw): kept, it is memory a target sharing the GPU cannot have, and
+the first steps' activations are laid out beside it. A random target loads within its weights and one
+layer in fp32; a resume copies the checkpoint in from host memory."""
+
+import gc
 
 import pytest
 import torch
 
+from dflash_mp import trainer as trainer_module
 from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
@@ -28,11 +33,13 @@ def test_give_back_returns_the_freed_blocks_and_the_figures_count_them():
     assert idle_bytes() < 256 * 2**20
 
 
-def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
+def _built_trainer_cache() -> tuple[int, int]:
+    """(bytes of the drafter's fp32 parameters, bytes the allocator caches once the trainer is built)."""
     dev = torch.device("cuda")
+    gc.collect()
     torch.cuda.empty_cache()
     idle0 = idle_bytes()
-    args = DrafterArgs(hidden_size=1024, intermediate_size=4096, num_layers=4, num_heads=8, num_kv_heads=2,
+    args = DrafterArgs(hidden_size=2048, intermediate_size=8192, num_layers=4, num_heads=16, num_kv_heads=4,
                        head_dim=128, vocab_size=8192, target_layer_ids=[1, 2, 3], block_size=16,
                        mask_token_id=8191)
     torch.manual_seed(0)
@@ -40,15 +47,48 @@ def test_a_built_drafter_trainer_leaves_no_fp32_parameters_in_the_cache():
         drafter = DFlashDrafter(args)
     fp32 = sum(p.numel() * 4 for p in drafter.parameters())
     # As random_target_head draws a random target's: in fp32, then cast.
-    embed = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
-    head = torch.empty(8192, 1024, device=dev).normal_(0.0, 0.02).bfloat16()
+    embed = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
+    head = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
     cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64,
                         loss_chunk_size=512)
-    obj = DFlashObjective(drafter, args, embed, head, cfg)
-    DrafterTrainer(obj, TrainConfig(warmup_ratio=0.0), 100, None, dev)
+    tr = DrafterTrainer(DFlashObjective(drafter, args, embed, head, cfg), TrainConfig(warmup_ratio=0.0), 100,
+                        None, dev)
     idle = idle_bytes() - idle0
-    print(f"\nfp32 parameters {fp32 / 2**20:.0f} MiB; cached after the build {idle / 2**20:.1f} MiB")
-    assert idle < fp32 // 4, (idle, fp32)
+    del tr, drafter, embed, head
+    return fp32, idle
+
+
+def test_a_built_drafter_trainer_gives_back_its_fp32_parameters(monkeypatch):
+    monkeypatch.setattr(trainer_module, "give_back_cached", lambda device, what: 0)
+    fp32, kept = _built_trainer_cache()
+    monkeypatch.undo()
+    _, given = _built_trainer_cache()
+    print(f"\nfp32 parameters {fp32 / 2**20:.0f} MiB; cached after the build {kept / 2**20:.0f} MiB kept, "
+          f"{given / 2**20:.0f} MiB given back")
+    assert kept - given >= fp32 * 3 // 4, (fp32, kept, given)
+
+
+def test_a_random_target_loads_within_its_weights_and_one_layer_in_fp32(tmp_path):
+    from dflash_mp.builtin.chats import demo_texts
+    from dflash_mp.builtin.targets import build_demo_tokenizer, build_random_target
+    from dflash_mp.target import TargetWorker
+
+    sizes = dict(vocab_size=65536, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=128)
+    path = build_random_target(str(tmp_path / "target"), build_demo_tokenizer(demo_texts()), **sizes)
+    dev = torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    worker = TargetWorker.load(path, [1, 3], dev, torch.bfloat16)
+    peak = torch.cuda.max_memory_allocated() - base
+    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    layer_fp32 = sum(p.numel() * 4 for p in worker.model.get_decoder().layers[0].parameters())
+    print(f"\nweights {weights / 2**20:.0f} MiB, a layer in fp32 {layer_fp32 / 2**20:.0f} MiB, "
+          f"the load's peak {peak / 2**20:.0f} MiB")
+    # Before: the shell's head and the embedding's fp32 draw sat beside every layer (+ 768 MiB here).
+    assert peak < weights + 2 * layer_fp32, (peak, weights, layer_fp32)
 
 
 def _resume_into_a_cuda_trainer(rank, world, root):

@@ -238,6 +238,18 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
         model.config.layer_types = types
     decoder = model.get_decoder()
     layer_cls = type(decoder.layers[0])
+    # Before the layers come, what the model does not keep goes (the shell's layer; the head, which a stage
+    # drops) and the embedding's fp32 draw is done: the load's peak is then its weights and one layer in fp32.
+    decoder.layers = nn.ModuleList()
+    if not keep_head:
+        model.lm_head = nn.Identity()
+    if first == 0:
+        embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(embed)
+            if keep_head:  # the whole model, for the tools that generate: the head drafters train against
+                model.get_output_embeddings().weight.copy_(head)
+        del embed, head
     layers = []
     for i in range(n):
         if not first <= i < end:
@@ -250,12 +262,6 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
                 model._init_weights(m)
         layers.append(layer.to(dtype))
     decoder.layers = nn.ModuleList(layers)
-    if first == 0:
-        embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
-        with torch.no_grad():
-            model.get_input_embeddings().weight.copy_(embed)
-            if keep_head:  # the whole model, for the tools that generate: the head drafters train against
-                model.get_output_embeddings().weight.copy_(head)
     if keep_head:
         return model
     strip_to_stage(model, first, end, keep_norm)
