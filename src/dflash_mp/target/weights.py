@@ -238,12 +238,15 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
         model.config.layer_types = types
     decoder = model.get_decoder()
     layer_cls = type(decoder.layers[0])
-    # Before the layers come, what the model does not keep goes (the shell's layer; the head, which a stage
-    # drops) and the embedding's fp32 draw is done: the load's peak is then its weights and one layer in fp32.
+    # Before the layers come, what the model does not keep goes (the shell's layer; the head and a later
+    # stage's embedding, which strip_to_stage drops) and the embedding's fp32 draw is done: the load's peak
+    # is then its weights and one layer in fp32.
     decoder.layers = nn.ModuleList()
     if not keep_head:
         model.lm_head = nn.Identity()
-    if first == 0:
+    if first > 0:
+        decoder.embed_tokens = Elsewhere()
+    else:
         embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embed)
