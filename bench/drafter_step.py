@@ -205,10 +205,10 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "cudagraph_records_after_warmup": c1["cudagraph_records"] - c0["cudagraph_records"],
         "cudagraph_replay_misses_after_warmup": {k: v - m0.get(k, 0) for k, v in m1.items() if v > m0.get(k, 0)},
         "graphs_total": c1["graphs"],
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
         # Reserved too: a captured step's activations and gradients live in its graph's pool, whose blocks
         # the allocator counts as allocated only while the capture holds them (not during replays).
-        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0,
         # Before the timed steps (whose peaks are the two above): once built, and the build's and
         # warm-up's peaks, the whole process's as a job's `memory/max_reserved_gib` counts it.
         "built_reserved_gib": built.get("reserved"), "built_allocated_gib": built.get("allocated"),

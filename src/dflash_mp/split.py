@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
                     num_experts, target_layers_flops)
+from .gpu_memory import GIB
 from .stages import plan_stages
 from .trainer import build_drafter_args
 
@@ -173,8 +174,6 @@ def fluid_bound(world: int, t: float, d: float) -> float:
 
 
 # ------------------------------------------------------------------------------------ memory floor
-GIB = 2 ** 30
-
 
 @dataclass(frozen=True)
 class MemoryFloor:
