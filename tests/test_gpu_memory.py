@@ -68,12 +68,15 @@ def test_a_built_drafter_trainer_gives_back_its_fp32_parameters(monkeypatch):
     assert kept - given >= fp32 * 3 // 4, (fp32, kept, given)
 
 
-def test_a_random_target_loads_within_its_weights_and_one_layer_in_fp32(tmp_path):
+@pytest.mark.parametrize("layers", [None, (2, 8)], ids=["whole", "later_stage"])
+def test_a_random_target_loads_within_its_weights_and_one_layer_in_fp32(tmp_path, layers):
+    """The whole target (a first stage: the embedding drawn in fp32 and cast) and a later stage of it
+    (no embedding kept) peak at their weights and about one layer in fp32."""
     from dflash_mp.builtin.chats import demo_texts
     from dflash_mp.builtin.targets import build_demo_tokenizer, build_random_target
     from dflash_mp.target import TargetWorker
 
-    sizes = dict(vocab_size=65536, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+    sizes = dict(vocab_size=65536, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=4, head_dim=128)
     path = build_random_target(str(tmp_path / "target"), build_demo_tokenizer(demo_texts()), **sizes)
     dev = torch.device("cuda")
@@ -81,14 +84,17 @@ def test_a_random_target_loads_within_its_weights_and_one_layer_in_fp32(tmp_path
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    worker = TargetWorker.load(path, [1, 3], dev, torch.bfloat16)
+    worker = TargetWorker.load(path, [1, 7], dev, torch.bfloat16, layers=layers)
     peak = torch.cuda.max_memory_allocated() - base
     weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    layer_fp32 = sum(p.numel() * 4 for p in worker.model.get_decoder().layers[0].parameters())
-    print(f"\nweights {weights / 2**20:.0f} MiB, a layer in fp32 {layer_fp32 / 2**20:.0f} MiB, "
-          f"the load's peak {peak / 2**20:.0f} MiB")
-    # Before: the shell's head and the embedding's fp32 draw sat beside every layer (+ 768 MiB here).
-    assert peak < weights + 2 * layer_fp32, (peak, weights, layer_fp32)
+    kept = [m for m in worker.model.get_decoder().layers if sum(1 for _ in m.parameters())]
+    layer_fp32 = sum(p.numel() * 4 for p in kept[0].parameters())
+    print(f"\n{layers or 'whole'}: weights {weights / 2**20:.0f} MiB, a layer in fp32 {layer_fp32 / 2**20:.0f} "
+          f"MiB, the load's peak {peak / 2**20:.0f} MiB")
+    # On an H100: the whole load peaked at 1312 MiB (bound 1474), the later stage at 824 (bound 986). A later
+    # stage holding the embedding it drops beside its layers peaked at 1080; holding the shell's head and
+    # layer too, at 1452; the whole load then failed the bound as well.
+    assert peak < weights + 5 * layer_fp32 // 4, (peak, weights, layer_fp32)
 
 
 def _resume_into_a_cuda_trainer(rank, world, root):
