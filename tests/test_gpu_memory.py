@@ -89,8 +89,8 @@ def test_a_random_target_loads_within_its_weights_and_one_layer_in_fp32(tmp_path
     weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     kept = [m for m in worker.model.get_decoder().layers if sum(1 for _ in m.parameters())]
     layer_fp32 = sum(p.numel() * 4 for p in kept[0].parameters())
-    print(f"\n{layers or 'whole'}: weights {weights / 2**20:.0f} MiB, a layer in fp32 {layer_fp32 / 2**20:.0f} "
-          f"MiB, the load's peak {peak / 2**20:.0f} MiB")
+    print(f"\n{layers or 'whole'}: weights {weights / 2**20:.0f} MiB, a layer in fp32 "
+          f"{layer_fp32 / 2**20:.0f} MiB, the load's peak {peak / 2**20:.0f} MiB")
     # On an H100: the whole load peaked at 1312 MiB (bound 1474), the later stage at 824 (bound 986). A later
     # stage holding the embedding it drops beside its layers peaked at 1080; holding the shell's head and
     # layer too, at 1452; the whole load then failed the bound as well.
