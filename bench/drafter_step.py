@@ -158,7 +158,12 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         if wait:  # the timing event comes after this step's update, wherever it ran
             tr.opt.wait_all()
 
-    warm = timed(step, warmup, device)
+    warm, by_step = [], []  # by_step: after each warm-up step, what is reserved and the peaks so far
+    for _ in range(warmup):  # (the first compiles; the last launched one precedes the capture)
+        warm += timed(step, 1, device)
+        if cuda:
+            got = {k.removeprefix("memory/"): round(v, 3) for k, v in memory_scalars(device).items()}
+            by_step.append(dict(got, allocated_gib=round(torch.cuda.memory_allocated(device) / 2**30, 3)))
     warmed = memory_scalars(device)
     tr.stats.pop()
     c0, m0 = counts(), graph_mismatches()
@@ -214,6 +219,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "built_reserved_gib": built.get("reserved"), "built_allocated_gib": built.get("allocated"),
         "warmup_peak_reserved_gib": warmed.get("memory/max_reserved_gib"),
         "warmup_peak_allocated_gib": warmed.get("memory/max_allocated_gib"),
+        "warmup_memory_by_step": by_step or None,
         "fwd_bwd_ms": None if whole else median(fb), "optimizer_ms": None if whole else median(op),
         "graph_step_ms": median(whole) if whole else None,
         "cuda_graph": tr.describe_graph(), "graph_replays": tr.graph.replays if tr.graph else 0,
