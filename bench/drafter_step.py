@@ -143,13 +143,32 @@ def flops_per_step(p: dict, stats: dict, steps: int) -> float:
     return drafter_matmul_flops(s, p["seq_len"], p["anchors"], b) + drafter_attention_flops(s, pairs) / steps
 
 
+def segments(device) -> dict:
+    """Where the allocator's cache lies: segments wholly free (what empty_cache returns) and the free
+    bytes inside segments that still hold live tensors (what it cannot), with the segments holding most
+    of it (size, allocated, their largest live blocks). MiB."""
+    mib = 2**20
+    segs = [g for g in torch.cuda.memory_snapshot() if g["device"] == (device.index or 0)]
+    used = [g for g in segs if g["allocated_size"] > 0]
+    worst = sorted(used, key=lambda g: g["total_size"] - g["allocated_size"], reverse=True)[:6]
+    free = sum(g["total_size"] for g in segs if g["allocated_size"] == 0)
+    return {"segments": len(segs), "free_segments_mib": round(free / mib),
+            "free_in_used_mib": round(sum(g["total_size"] - g["allocated_size"] for g in used) / mib),
+            "most_free": [{"size": round(g["total_size"] / mib),
+                           "allocated": round(g["allocated_size"] / mib),
+                           "live_blocks": sorted((round(b["size"] / mib, 1) for b in g["blocks"]
+                                                  if b["state"] == "active_allocated"), reverse=True)[:4]}
+                          for g in worst]}
+
+
 def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=False) -> dict:
     cuda = device.type == "cuda"
     if cuda:  # this mode's peaks: its build, its warm-up (compile, launched steps, the capture), its steps
         torch.cuda.reset_peak_memory_stats(device)
     tr = build(p, mode, device, chunk, scope)
     built = {"reserved": torch.cuda.memory_reserved(device) / 2**30,
-             "allocated": torch.cuda.memory_allocated(device) / 2**30} if cuda else {}
+             "allocated": torch.cuda.memory_allocated(device) / 2**30,
+             "segments": segments(device)} if cuda else {}
     i = [0]
 
     def step(tr=tr, wait=True):
@@ -163,7 +182,8 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         warm += timed(step, 1, device)
         if cuda:
             got = {k.removeprefix("memory/"): round(v, 3) for k, v in memory_scalars(device).items()}
-            by_step.append(dict(got, allocated_gib=round(torch.cuda.memory_allocated(device) / 2**30, 3)))
+            by_step.append(dict(got, allocated_gib=round(torch.cuda.memory_allocated(device) / 2**30, 3),
+                                segments=segments(device)))
     warmed = memory_scalars(device)
     tr.stats.pop()
     c0, m0 = counts(), graph_mismatches()
@@ -219,7 +239,7 @@ def run_mode(p, mode, device, batches, warmup, steps, chunk, scope, sources=Fals
         "built_reserved_gib": built.get("reserved"), "built_allocated_gib": built.get("allocated"),
         "warmup_peak_reserved_gib": warmed.get("memory/max_reserved_gib"),
         "warmup_peak_allocated_gib": warmed.get("memory/max_allocated_gib"),
-        "warmup_memory_by_step": by_step or None,
+        "built_segments": built.get("segments"), "warmup_memory_by_step": by_step or None,
         "fwd_bwd_ms": None if whole else median(fb), "optimizer_ms": None if whole else median(op),
         "graph_step_ms": median(whole) if whole else None,
         "cuda_graph": tr.describe_graph(), "graph_replays": tr.graph.replays if tr.graph else 0,
