@@ -114,8 +114,12 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
             layer.mlp.fused = swiglu_mlp
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device).manual_seed(1)
-    embed = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
-    head = (torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02).to(wdt)
+
+    def draw() -> torch.Tensor:  # into a tensor made first: the fp32 draw's segment then frees whole
+        out = torch.empty(p["vocab"], p["hidden"], dtype=wdt, device=device)
+        return out.copy_(torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02)
+
+    embed, head = draw(), draw()
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention,
                         layer_types=p.get("layer_types"), sliding_window=p.get("window"), **tiles)
