@@ -28,6 +28,7 @@ from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import global_norm
+from dflash_mp.target.weights import random_target_head
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -113,13 +114,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
         for layer in drafter.layers:
             layer.mlp.fused = swiglu_mlp
     wdt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device).manual_seed(1)
-
-    def draw() -> torch.Tensor:  # into a tensor made first: the fp32 draw's segment then frees whole
-        out = torch.empty(p["vocab"], p["hidden"], dtype=wdt, device=device)
-        return out.copy_(torch.randn(p["vocab"], p["hidden"], generator=g, device=device) * 0.02)
-
-    embed, head = draw(), draw()
+    # As a job's drafter rank draws a random target's (so the build leaves the allocator what a job's does)
+    embed, head = random_target_head({"vocab_size": p["vocab"], "hidden_size": p["hidden"]}, 1, device, wdt)
     cfg = DrafterConfig(num_layers=p["layers"], block_size=p["block"], num_anchors=p["anchors"],
                         max_anchors_per_doc=p["anchors"], loss_chunk_size=chunk, attention=attention,
                         layer_types=p.get("layer_types"), sliding_window=p.get("window"), **tiles)

@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from dflash_mp import optim as optim_module
 from dflash_mp import trainer as trainer_module
 from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.model import DFlashDrafter, DrafterArgs
@@ -33,8 +34,9 @@ def test_give_back_returns_the_freed_blocks_and_the_figures_count_them():
     assert idle_bytes() < 256 * 2**20
 
 
-def _built_trainer_cache() -> tuple[int, int]:
-    """(bytes of the drafter's fp32 parameters, bytes the allocator caches once the trainer is built)."""
+def _built_trainer_cache(scratch_mib: int = 0) -> tuple[int, int]:
+    """(bytes of the drafter's fp32 parameters, bytes the allocator caches once the trainer is built).
+    `scratch_mib`: a temporary of that size freed just before the build, left in the allocator's cache."""
     dev = torch.device("cuda")
     gc.collect()
     torch.cuda.empty_cache()
@@ -49,6 +51,8 @@ def _built_trainer_cache() -> tuple[int, int]:
     # As random_target_head draws a random target's: in fp32, then cast.
     embed = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
     head = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
+    if scratch_mib:  # made and freed at once: its block stays in the cache
+        torch.empty(scratch_mib * 2**20, dtype=torch.uint8, device=dev)
     cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64,
                         loss_chunk_size=512)
     tr = DrafterTrainer(DFlashObjective(drafter, args, embed, head, cfg), TrainConfig(warmup_ratio=0.0), 100,
@@ -66,6 +70,22 @@ def test_a_built_drafter_trainer_gives_back_its_fp32_parameters(monkeypatch):
     print(f"\nfp32 parameters {fp32 / 2**20:.0f} MiB; cached after the build {kept / 2**20:.0f} MiB kept, "
           f"{given / 2**20:.0f} MiB given back")
     assert kept - given >= fp32 * 3 // 4, (fp32, kept, given)
+
+
+def test_the_optimizer_state_is_never_carved_out_of_a_freed_temporary(monkeypatch):
+    """A block a temporary left cached (700 MiB here; a 27B random head's fp32 draw is 4.7 GiB) must not
+    hold the optimizer's flat buffers: the rest of its segment would stay reserved, out of the give-back's
+    reach (5.4 GiB at 27B shapes on an H100, R5)."""
+    _, plain = _built_trainer_cache()
+    monkeypatch.setattr(optim_module, "fresh_segments", lambda device: None)
+    _, carved = _built_trainer_cache(scratch_mib=700)
+    monkeypatch.undo()
+    _, fresh = _built_trainer_cache(scratch_mib=700)
+    print(f"\ncached after the build: {plain / 2**20:.0f} MiB; after a 700 MiB temporary "
+          f"{carved / 2**20:.0f} MiB with the buffers carved out of it, {fresh / 2**20:.0f} MiB in segments "
+          "of their own")
+    assert carved >= plain + 128 * 2**20, (plain, carved)  # the case the fix is for happens here
+    assert fresh <= plain + 32 * 2**20, (plain, fresh)
 
 
 @pytest.mark.parametrize("layers", [None, (2, 8)], ids=["whole", "later_stage"])

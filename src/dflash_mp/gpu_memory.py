@@ -32,6 +32,14 @@ def give_back_cached(device: torch.device, what: str) -> int:
     return before - reserved
 
 
+def fresh_segments(device: torch.device) -> None:
+    """Before allocating long-lived buffers: return the cached, unused blocks, so the buffers get segments
+    of their own. Carved out of a block a temporary left cached (a random head's fp32 draw), a buffer
+    would pin the rest of that block's segment, which no later give-back can return."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def memory_scalars(device: torch.device) -> dict[str, float]:
     """GiB now reserved, and the peaks reserved and allocated since the process started (none off CUDA).
     Reserved counts a captured CUDA graph's pool, which allocated leaves out between captures."""

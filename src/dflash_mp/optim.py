@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .gpu_memory import fresh_segments
+
 
 def master_of(work: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a split pair (bf16 `work`, int16 `low`; see the module docstring)."""
@@ -216,6 +218,7 @@ class FlatAdamW:
         n = self._offsets[-1]
         f32 = dict(dtype=torch.float32, device=device)
         self.split = split_master and dtype == torch.bfloat16
+        fresh_segments(device)  # the flat buffers live as long as the run: segments of their own
         # The master as the update reads and writes it: the fp32 buffer, or (split) the lower half,
         # filled one parameter at a time (no whole-size temporaries).
         self._master = torch.empty(n, dtype=torch.int16 if self.split else torch.float32, device=device)
