@@ -13,6 +13,7 @@ from dflash_mp import optim as optim_module
 from dflash_mp import trainer as trainer_module
 from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.model import DFlashDrafter, DrafterArgs
+from dflash_mp.target.weights import random_target_head
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -48,9 +49,7 @@ def _built_trainer_cache(scratch_mib: int = 0) -> tuple[int, int]:
     with torch.device(dev):
         drafter = DFlashDrafter(args)
     fp32 = sum(p.numel() * 4 for p in drafter.parameters())
-    # As random_target_head draws a random target's: in fp32, then cast.
-    embed = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
-    head = torch.empty(8192, 2048, device=dev).normal_(0.0, 0.02).bfloat16()
+    embed, head = random_target_head({"vocab_size": 8192, "hidden_size": 2048}, 0, dev, torch.bfloat16)
     if scratch_mib:  # made and freed at once: its block stays in the cache
         torch.empty(scratch_mib * 2**20, dtype=torch.uint8, device=dev)
     cfg = DrafterConfig(num_layers=4, block_size=16, num_anchors=64, max_anchors_per_doc=64,

@@ -238,15 +238,13 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
         model.config.layer_types = types
     decoder = model.get_decoder()
     layer_cls = type(decoder.layers[0])
-    # Before the layers come, what the model does not keep goes (the shell's layer; the head and a later
-    # stage's embedding, which strip_to_stage drops) and the embedding's fp32 draw is done: the load's peak
-    # is then its weights and one layer in fp32.
+    # Before the layers come, what the model does not keep goes (the shell's layer; a stage's head, a later
+    # stage's embedding) and the embedding's fp32 draw is done: the load's peak is then its weights and one
+    # layer in fp32.
     decoder.layers = nn.ModuleList()
     if not keep_head:
-        model.lm_head = nn.Identity()
-    if first > 0:
-        decoder.embed_tokens = Elsewhere()
-    else:
+        strip_to_stage(model, first, end, keep_norm)
+    if first == 0:
         embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embed)
@@ -265,9 +263,6 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
                 model._init_weights(m)
         layers.append(layer.to(dtype))
     decoder.layers = nn.ModuleList(layers)
-    if keep_head:
-        return model
-    strip_to_stage(model, first, end, keep_norm)
     return model
 
 
