@@ -58,6 +58,26 @@ def test_load_is_seeded_and_agrees_with_the_drafter_head(cache):
     assert head.shape == embed.shape and not torch.equal(head, embed)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_random_target_ties_its_head_as_its_config_says(tmp_path, tied):
+    """A random target of a config with tied embeddings (Qwen3-0.6B's) holds one tensor for both on
+    drafter ranks, as a checkpoint's does (the planner counts one), and the whole model the tools load
+    generates with that very head."""
+    from dflash_mp.builtin.chats import demo_texts
+    from dflash_mp.builtin.targets import build_demo_tokenizer, build_random_target
+    from dflash_mp.target import load_causal_lm
+
+    path = build_random_target(str(tmp_path / "target"), build_demo_tokenizer(demo_texts()),
+                               num_hidden_layers=2, tie_word_embeddings=tied)
+    cpu = torch.device("cpu")
+    embed, head = load_target_head(path, torch.float32, cpu)
+    assert (embed.data_ptr() == head.data_ptr()) == tied
+    assert torch.equal(embed, head) == tied
+    lm = load_causal_lm(path, cpu, torch.float32)
+    assert torch.equal(lm.get_input_embeddings().weight, embed)
+    assert torch.equal(lm.get_output_embeddings().weight, head)
+
+
 @pytest.mark.slow
 def test_trainer_runs_on_a_random_target(tmp_path, cache):
     run_dir = str(tmp_path / "run")

@@ -39,7 +39,8 @@ def random_target_head(config: dict, seed: int, device: torch.device, dtype: tor
     """Embedding and LM head of a random-weight target, normal(0, initializer_range) from a generator of
     their own: target and drafter ranks on the same device type draw identical tensors from `seed`
     alone (drawn in fp32, so every dtype rounds the same values). The embedding is drawn first, so
-    `with_head=False` (the target, which drops its head) gets the same one without drawing the head."""
+    `with_head=False` (the target, which drops its head) gets the same one without drawing the head.
+    A config with tied embeddings gets one tensor for both, as `load_target_head` gives for a checkpoint."""
     shape = (config["vocab_size"], config["hidden_size"])
     std = config.get("initializer_range", 0.02)
     g = torch.Generator(device).manual_seed(seed)
@@ -48,7 +49,9 @@ def random_target_head(config: dict, seed: int, device: torch.device, dtype: tor
         return torch.empty(shape, device=device).normal_(0.0, std, generator=g).to(dtype)
 
     embed = draw()
-    return embed, draw() if with_head else None
+    if not with_head:
+        return embed, None
+    return embed, embed if config.get("tie_word_embeddings") else draw()
 
 
 def load_target_head(path: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +224,9 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = _untied(AutoConfig.from_pretrained(path).get_text_config())
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    head_config = config.to_dict()  # tied or not: the head drafter ranks draw
+    config = _untied(config)
     n = config.num_hidden_layers
     end = n if end is None else end
     types = list(getattr(config, "layer_types", None) or [])
@@ -245,7 +250,7 @@ def random_target(path: str, seed: int, device: torch.device, dtype: torch.dtype
     if not keep_head:
         strip_to_stage(model, first, end, keep_norm)
     if first == 0:
-        embed, head = random_target_head(config.to_dict(), seed, device, dtype, with_head=keep_head)
+        embed, head = random_target_head(head_config, seed, device, dtype, with_head=keep_head)
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(embed)
             if keep_head:  # the whole model, for the tools that generate: the head drafters train against
