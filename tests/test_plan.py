@@ -172,14 +172,14 @@ def test_one_step_s_memory_estimated_by_hand():
     tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16,
               num_hidden_layers=2, vocab_size=32)
     # 10 tokens x (2 x 8 + 8 + 2 x 4 + 3 x 16); 3 captured layers x 10 x 8, filling and 2 in flight.
-    assert split.target_step_bytes(TargetSpec.from_config(tc), tc, 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
+    assert split.target_step_bytes(TargetSpec.from_config(tc), 10, 3, depth=2) == 2 * (10 * 80 + 3 * 240)
     moe = dict(tc, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)  # 2 experts of 6 a token
     moe_spec = TargetSpec.from_config(moe)
-    assert split.target_step_bytes(moe_spec, moe, 10, 3, depth=1) == 2 * (10 * (32 + 36) + 2 * 240)
+    assert split.target_step_bytes(moe_spec, 10, 3, depth=1) == 2 * (10 * (32 + 36) + 2 * 240)
     # kv heads and head_dim left out of a config are read as TargetSpec reads them (heads, hidden / heads):
     # 10 tokens x (2 x 8 + 8 + 2 x 8 + 3 x 16).
     bare = dict(tc, num_key_value_heads=None, head_dim=None)
-    assert split.target_step_bytes(TargetSpec.from_config(bare), bare, 10, 3, depth=2) == 2 * (10 * 88 + 720)
+    assert split.target_step_bytes(TargetSpec.from_config(bare), 10, 3, depth=2) == 2 * (10 * 88 + 720)
     # The 8B job's figures through plan.memory_floor (drafter.loss_chunk_size=4096, transport.depth=2).
     job = compose(["experiment=qwen3_8b"])
     tcfg = target_config_for(job)
@@ -191,6 +191,10 @@ def test_one_step_s_memory_estimated_by_hand():
     assert floor.drafter_step == 2 * (5 * layer + T * 7 * H + 4096 * V + 512 * 15 * H)
     assert floor.target_step == 2 * (T * (2 * H + q + 2 * kv + 3 * I) + 3 * T * 5 * H)
     assert 6.5 * GIB < floor.drafter_step < 7 * GIB and 0.5 * GIB < floor.target_step < 0.7 * GIB
+    # A target that ties its embedding and LM head leaves drafter ranks one V x H tensor fewer (bf16).
+    tied = dict(tcfg, tie_word_embeddings=True)
+    tied_floor = memory_floor(job, tied, TargetSpec.from_config(tied), ids, mask, [(0, max(ids) + 1)])
+    assert floor.drafter - tied_floor.drafter == floor.drafter_dp - tied_floor.drafter_dp == 2 * V * H
 
 
 def test_the_estimate_counts_what_the_compiled_layers_save_for_the_backward(monkeypatch):

@@ -96,14 +96,13 @@ def memory_floor(job, target_config: dict, spec: TargetSpec, layer_ids: list[int
     n = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     work = torch.bfloat16 if resolve_precision(job.train.precision, cuda) == "bf16" else torch.float32
     # The target's embedding and LM head the drafter reads (frozen): one tensor where they are tied.
-    frozen = ((1 if target_config.get("tie_word_embeddings") else 2) * spec.vocab_size * spec.hidden_size
-              * dtype.itemsize)
+    frozen = (1 if spec.tied_embeddings else 2) * spec.vocab_size * spec.hidden_size * dtype.itemsize
     # One step's working memory on top, estimated from the shapes (split.{target,drafter}_step_bytes).
     a = drafter.args
     drafter_step = drafter_step_bytes(DrafterShape.from_args(a), job.data.seq_len, job.drafter.num_anchors,
                                       a.block_size, job.drafter.loss_chunk_size, work.itemsize)
-    target_step = target_step_bytes(spec, target_config, job.data.seq_len, len(layer_ids),
-                                    job.transport.depth, dtype.itemsize)
+    target_step = target_step_bytes(spec, job.data.seq_len, len(layer_ids), job.transport.depth,
+                                    dtype.itemsize)
     return MemoryFloor(target, n * held_bytes_per_param(work) + frozen,
                        n * held_bytes_per_param(work, replicas=2) + frozen, target_step, drafter_step)
 

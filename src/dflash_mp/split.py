@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from .flops import (DrafterShape, causal_pairs_packed, drafter_attention_flops, drafter_matmul_flops,
-                    num_experts, target_layers_flops)
+                    target_layers_flops)
 from .gpu_memory import GIB
 from .stages import plan_stages
 from .trainer import build_drafter_args
@@ -244,17 +244,14 @@ def drafter_step_bytes(s: DrafterShape, seq_len: int, num_anchors: int, block_si
     return itemsize * (s.num_layers * layer + context + ce)
 
 
-def target_step_bytes(spec, config: dict, seq_len: int, num_captured: int, depth: int,
-                      itemsize: int = 2) -> int:
-    """What one target forward holds on top of the weights, estimated from its shapes (`spec`, the
-    TargetSpec of `config`; a mixture of experts counts the experts each token visits, from `config`):
-    the residual stream and a layer's largest transients (its input norm, q/k/v, the MLP's gate, up and
-    product), and the captured states, the batch being filled plus `depth` in flight to the drafter."""
+def target_step_bytes(spec, seq_len: int, num_captured: int, depth: int, itemsize: int = 2) -> int:
+    """What one target forward holds on top of the weights, estimated from its shapes (`spec`, its
+    TargetSpec; a mixture of experts counts the experts each token visits): the residual stream and a
+    layer's largest transients (its input norm, q/k/v, the MLP's gate, up and product), and the captured
+    states, the batch being filled plus `depth` in flight to the drafter."""
     h = spec.hidden_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    inter = (config["moe_intermediate_size"] * config["num_experts_per_tok"] if num_experts(config)
-             else spec.intermediate_size)
-    layer = seq_len * (2 * h + q + 2 * kv + 3 * inter)
+    layer = seq_len * (2 * h + q + 2 * kv + 3 * spec.token_mlp_width)
     return itemsize * (layer + (1 + depth) * seq_len * num_captured * h)
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..flops import num_experts
+
 
 @dataclass
 class TargetConfig:
@@ -74,16 +76,22 @@ class TargetSpec:
     rope_scaling: dict | None
     max_position_embeddings: int
     sliding_window: int | None  # the window of its sliding-attention layers; None when it has none
+    # The MLP width a token's activations take: a mixture of experts' routed experts together (those a token
+    # visits times their width), else intermediate_size.
+    token_mlp_width: int = 0
+    tied_embeddings: bool = False  # one tensor for the embedding and the LM head
 
     @classmethod
     def from_config(cls, config: dict) -> "TargetSpec":
         heads = config["num_attention_heads"]
         rope_theta, rope_scaling = rope_from_config(config)
         sliding = "sliding_attention" in (config.get("layer_types") or [])
+        dense = config.get("intermediate_size") or 0  # 0: a MoE config with no dense MLP width
+        routed = config["moe_intermediate_size"] * config["num_experts_per_tok"] if num_experts(config) else 0
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config.get("intermediate_size") or 0,  # 0: a MoE config with no dense MLP width
+            intermediate_size=dense,
             vocab_size=config["vocab_size"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
@@ -93,6 +101,8 @@ class TargetSpec:
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 40960),
             sliding_window=config.get("sliding_window") if sliding else None,
+            token_mlp_width=routed or dense,
+            tied_embeddings=bool(config.get("tie_word_embeddings")),
         )
 
 
