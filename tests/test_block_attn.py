@@ -72,9 +72,13 @@ def run_kernels(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.flo
 
 def compare(T, A, B, Hq, Hkv, D, window, lens, device="cpu", dtype=torch.float32, compiled=False):
     """The kernels' out, dq, dk, dv against fp32 dense sdpa on `make_mask_mod`: relative L2 errors."""
-    r = run_kernels(T, A, B, Hq, Hkv, D, window, lens, device, dtype, compiled)
+    return dense_errors(run_kernels(T, A, B, Hq, Hkv, D, window, lens, device, dtype, compiled), T, B, window)
+
+
+def dense_errors(r, T, B, window):
+    """`compare`'s errors for `run_kernels`' result `r` of a case with T, B and window."""
     anchors, valid, docs, q, k, v, grad, got = r.anchors, r.valid, r.docs, r.q, r.k, r.v, r.grad, r.got
-    Q = A * B
+    Q, device = q.shape[0], q.device
     mask = create_mask(make_mask_mod(anchors, valid, docs, T, B, window), 1, 1, Q, T + Q, device)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (qf, kf, vf)), attn_mask=mask,
@@ -188,13 +192,14 @@ def check_whole_tiles() -> None:
             block_attn.TILES.update(q_blocks=blocks, BLOCK_N=16, DQ_BLOCK_N=16, BLOCK_N2=16)
             block_attn.USE_TMA = tma
             for case in WHOLE_CASES:
-                errors = compare(*case)
-                assert max(errors.values()) < 1e-5, (tma, blocks, case, errors)
                 results = []
                 for on in (True, False):
                     block_attn.WHOLE_TILES = on
                     results.append(run_kernels(*case))
                 block_attn.WHOLE_TILES = True
+                T, _, B, *_, window, _ = case
+                errors = dense_errors(results[0], T, B, window)
+                assert max(errors.values()) < 1e-5, (tma, blocks, case, errors)
                 whole += whole_tiles(results[0].spans, blocks, 16)
                 results = [r.got for r in results]
                 for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
