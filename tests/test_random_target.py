@@ -60,7 +60,7 @@ def test_load_is_seeded_and_agrees_with_the_drafter_head(cache):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_random_target_ties_its_head_as_its_config_says(tmp_path, tied):
-    """A random target of a config with tied embeddings (Qwen3-0.6B's) holds one tensor for both on
+    """A random target of a config with tied embeddings (Qwen3-4B's) holds one tensor for both on
     drafter ranks, as a checkpoint's does (the planner counts one), and the whole model the tools load
     generates with that very head."""
     from dflash_mp.builtin.chats import demo_texts
