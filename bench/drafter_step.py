@@ -29,7 +29,6 @@ from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmu
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import adamw_update_each, global_norm
 from dflash_mp.target.weights import random_target_head
-from dflash_mp.target.worker import COMPILE_OPTIONS
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
 PEAK = 790e12
@@ -74,20 +73,20 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     `+swiglu` the MLPs' gate/up GEMM with the SwiGLU as its epilogue and the SwiGLU's gradient in the
     down projection's backward GEMM (swiglu.swiglu_mlp; the default: cuBLAS GEMMs and Inductor's
     pointwise kernels); `+keepcache` the trainer keeps what its build left in the allocator's cache
-    (the default gives it back, gpu_memory.give_back_cached); `+optuntimed` the optimizer's update
-    compiled with its pointwise configs untimed, as the target's layers are (target/worker.py
-    COMPILE_OPTIONS; the default times them at the first step, on clones of the buffers it updates)."""
+    (the default gives it back, gpu_memory.give_back_cached); `+opttimed` the optimizer's update
+    compiled with its pointwise configs timed at the first step, on clones of the buffers it updates
+    (the default since call Q14 takes them untimed: optim.UPDATE_OPTIONS)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
                        "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
-                       "lt", "swiglu", "keepcache", "optuntimed") or (
+                       "lt", "swiglu", "keepcache", "opttimed") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
                              f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+masked, +lt, +swiglu, +keepcache, +optuntimed, "
+                             f"+masked, +lt, +swiglu, +keepcache, +opttimed, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -136,9 +135,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
         trainer_module.give_back_cached = give_back_cached
     if "foreachnorm" in flags:
         tr.opt.grad_norm = global_norm
-    if "optuntimed" in flags and device.type == "cuda":  # as the trainer compiles it (on CUDA, every mode)
-        tr.opt._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True,
-                                       options=COMPILE_OPTIONS)
+    if "opttimed" in flags and device.type == "cuda":  # the trainer compiles it on CUDA, in every mode
+        tr.opt._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True)
     return tr
 
 

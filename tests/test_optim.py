@@ -208,6 +208,23 @@ def test_bench_flatgrads_mode_keeps_the_copy():
         assert tr.opt.direct == direct
 
 
+def test_the_compiled_update_takes_its_pointwise_configs_untimed(monkeypatch):
+    """Timed, Inductor would run each config of the update's kernels at the first step on clones of the
+    buffers it writes (2.6 GiB of segments more at the 27B drafter's first step, BENCHMARKS.md call Q14):
+    the update is compiled with pointwise autotuning off, the gradient norm as before."""
+    calls = []
+    real = torch.compile
+
+    def recording(fn, **kwargs):
+        calls.append((fn.__name__, kwargs.get("options")))
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    ps = [("w", torch.nn.Parameter(torch.randn(4, 4)))]
+    FlatAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, compiled=True)
+    assert dict(calls) == {"adamw_update_each": {"triton.autotune_pointwise": False}, "global_norm_sums": None}
+
+
 def test_identical_layers_share_one_compiled_direct_update():
     """Compiled, the direct update takes per-parameter lists; equal layers must not recompile. The
     compiled gradient norm equals the eager one."""

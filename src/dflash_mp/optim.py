@@ -57,6 +57,12 @@ from torch import nn
 
 from .gpu_memory import fresh_segments
 
+# Inductor options of the compiled update: its pointwise kernels take their first config untimed. Timed,
+# Inductor runs each candidate at the first update on clones of the buffers it writes, which laid out
+# 2.6 GiB of segments more at the 27B drafter's first step, for the same kernel time (BENCHMARKS.md,
+# call Q14); the target's layers compile their pointwise kernels so too (target/worker.py).
+UPDATE_OPTIONS = {"triton.autotune_pointwise": False}
+
 
 def master_of(work: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a split pair (bf16 `work`, int16 `low`; see the module docstring)."""
@@ -241,8 +247,10 @@ class FlatAdamW:
         # The data-parallel sum of bf16 gradients is taken in fp32: NCCL adds in the buffer's dtype.
         low = dtype != torch.float32 and self.world > 1
         self._reduce = torch.empty(n, **f32) if low else None
-        self._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True) if compiled \
-            else adamw_update_each
+        self._update = adamw_update_each
+        if compiled:
+            self._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True,
+                                         options=UPDATE_OPTIONS)
         self.grad_norm = torch.compile(global_norm_sums, dynamic=False, fullgraph=True) if compiled else global_norm
         # One compiled graph per distinct segment shape (offsets do not recompile).
         self._segments = self._slices(segments or [self.names])
