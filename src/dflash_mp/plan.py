@@ -23,8 +23,8 @@ recommended. So is one whose estimate with one step's activations (`split.drafte
 `split.target_step_bytes`, from the shapes) does not fit. The estimate leaves out compiled graphs, the
 CUDA context and the allocator's cache: the 8B job's ranks on one H100 peaked at 0.99 (drafter) and 1.03
 (target) of it, reserved, once each gave back what its build left cached; the 27B drafter's step alone
-held 1.01 of it over its captured steps and peaked at 1.14 in the launched steps before the capture,
-before its optimizer's buffers got segments of their own (BENCHMARKS.md). A layout just under it may still
+held 0.93 of it over its captured steps and peaked at 0.98 in the launched steps before the capture
+(BENCHMARKS.md, call Q14). A layout just under it may still
 run out of memory, and the job's error then names the fix.
 
 The rate model, the layouts and the floor's arithmetic are `dflash_mp.split` (below the start-up, which
