@@ -13,10 +13,11 @@
 #   4. with JOB_DIR, the run directory of an 8B job at its defaults: each role's peaks and what it held last.
 # From the repo root, after a job compiled the drafter (its Inductor cache then serves step 3):
 #   ROWS=1 STEPS=40 bash bench/run_rows_h200.sh; JOB_DIR=/tmp/dflash_rows/rows1 bash bench/run_memory_check.sh
-# The 27B drafter's first launched steps, plain, with the optimizer's pointwise configs untimed and with
-# expandable segments (~5 minutes on a cold H100):
-#   PRESET=qwen3_5_27b MEMORY_MODES=default+ce=triton,default+ce=triton+optuntimed EXPANDABLE=1 \
-#       bash bench/run_memory_check.sh
+# The 27B drafter's steps at the default and under expandable segments (~4 minutes on a cold H100):
+#   PRESET=qwen3_5_27b MEMORY_MODES=default+ce=triton EXPANDABLE=1 bash bench/run_memory_check.sh
+# The modes of MEMORY_MODES share one process and its Inductor cache: a later mode's first step skips the
+# kernel timing an earlier one did. First-step peaks from empty caches take a process each (call Q14 of
+# BENCHMARKS.md: drafter_step.py once per mode, each with a TORCHINDUCTOR_CACHE_DIR of its own).
 # Writes memory_check.log and memory_check.json under $OUT; prints the table last.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # bench_env, step
 bench_env
