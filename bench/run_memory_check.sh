@@ -4,9 +4,10 @@
 #      and of what a built trainer leaves cached (tests/test_gpu_memory.py);
 #   2. the planner on this GPU for the 8B and 27B presets (floor and estimate of each role);
 #   3. the drafter step alone of PRESET (qwen3_8b, the default, or qwen3_5_27b: a preset of
-#      bench/drafter_step.py with an experiment of the same name for the planner's estimate), launched from Python (+nograph: its allocated peak is weights, training state and
-#      one step's activations), captured as a CUDA graph (the default), and captured keeping what the build
-#      left cached (+keepcache): reserved once built, the peaks over build and warm-up (what a job's
+#      bench/drafter_step.py with an experiment of the same name for the planner's estimate), launched
+#      from Python (+nograph: its allocated peak is weights, training state and one step's activations),
+#      captured as a CUDA graph (the default), and captured keeping what the build left cached
+#      (+keepcache): reserved once built, the peaks over build and warm-up (what a job's
 #      memory/max_reserved_gib counts) and reserved over the timed steps; with EXPANDABLE=1, the
 #      EXPANDABLE_MODES again in a process whose allocator grows expandable segments
 #      (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True);

@@ -222,7 +222,8 @@ def test_the_compiled_update_takes_its_pointwise_configs_untimed(monkeypatch):
     monkeypatch.setattr(torch, "compile", recording)
     ps = [("w", torch.nn.Parameter(torch.randn(4, 4)))]
     FlatAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, compiled=True)
-    assert dict(calls) == {"adamw_update_each": {"triton.autotune_pointwise": False}, "global_norm_sums": None}
+    want = {"adamw_update_each": {"triton.autotune_pointwise": False}, "global_norm_sums": None}
+    assert dict(calls) == want
 
 
 def test_identical_layers_share_one_compiled_direct_update():
