@@ -75,7 +75,7 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     pointwise kernels); `+keepcache` the trainer keeps what its build left in the allocator's cache
     (the default gives it back, gpu_memory.give_back_cached); `+opttimed` the optimizer's update
     compiled with its pointwise configs timed at the first step, on clones of the buffers it updates
-    (the default since call Q14 takes them untimed: optim.UPDATE_OPTIONS)."""
+    (the default since call Q14 takes them untimed: reductions.UNTIMED_POINTWISE)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:

@@ -56,12 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .gpu_memory import fresh_segments
-
-# Inductor options of the compiled update: its pointwise kernels take their first config untimed. Timed,
-# Inductor runs each candidate at the first update on clones of the buffers it writes, which laid out
-# 2.6 GiB of segments more at the 27B drafter's first step, for the same kernel time (BENCHMARKS.md,
-# call Q14); the target's layers compile their pointwise kernels so too (target/worker.py).
-UPDATE_OPTIONS = {"triton.autotune_pointwise": False}
+from .reductions import UNTIMED_POINTWISE
 
 
 def master_of(work: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -250,7 +245,7 @@ class FlatAdamW:
         self._update = adamw_update_each
         if compiled:
             self._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True,
-                                         options=UPDATE_OPTIONS)
+                                         options=UNTIMED_POINTWISE)
         self.grad_norm = torch.compile(global_norm_sums, dynamic=False, fullgraph=True) if compiled else global_norm
         # One compiled graph per distinct segment shape (offsets do not recompile).
         self._segments = self._slices(segments or [self.names])

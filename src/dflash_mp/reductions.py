@@ -14,7 +14,7 @@ without timing (its `force_filter_reduction_configs`: drop configs it knows run 
 second largest block, warp count and rows per program): every compile gets the same kernels, and the
 query/key kernels run as fast as the best timed picks did (BENCHMARKS.md, calls I2-I4); the target's two
 large RMSNorm kernels run slightly slower than theirs. `timed` keeps Inductor's timing. Pointwise kernels
-are another matter (target/worker.py COMPILE_OPTIONS).
+are another matter: `UNTIMED_POINTWISE`, which the target's layers and the drafter's optimizer compile with.
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ import logging
 import torch
 
 log = logging.getLogger(__name__)
+
+# Inductor options for a compile whose pointwise kernels take their first config untimed (1024 elements,
+# 4 warps). Timed, Inductor runs two configs of each at its first call and keeps the faster: for the 8B
+# target's SwiGLU the pick came out either way in runs of the same code, the slower taking half again as
+# long (BENCHMARKS.md, issue 31); for the optimizer's update it ran them on clones of the buffers it
+# writes, which laid out 2.6 GiB of segments more at the 27B drafter's first step for the same kernel time
+# (call Q14).
+UNTIMED_POINTWISE = {"triton.autotune_pointwise": False}
 
 CHOICES = ("heuristic", "timed")
 FLAG = "force_filter_reduction_configs"  # in torch._inductor.config.test_configs (torch 2.11 and 2.13)

@@ -17,6 +17,7 @@ from torch import nn
 from ..batch import HiddenBatch, PackedBatch, join_rows
 from ..cuda_graph import describe_state
 from ..gpu_memory import give_back_cached
+from ..reductions import UNTIMED_POINTWISE
 from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
 from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
@@ -30,11 +31,8 @@ from .weights import causal_lm_class, load_stage, random_init_seed, random_targe
 log = logging.getLogger(__name__)
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-# Inductor times two configs of each pointwise kernel the first time it runs and keeps the faster. For
-# the 8B SwiGLU (3072 x 12288 elements) the pick came out either way in runs of the same code on one
-# machine, the slower one taking half again as long (BENCHMARKS.md, issue 31). Untimed, Inductor takes
-# its first config (1024 elements, 4 warps), the faster one, in every compile.
-COMPILE_OPTIONS = {"triton.autotune_pointwise": False}
+# The layers' pointwise kernels untimed: the same config in every compile (reductions.UNTIMED_POINTWISE).
+COMPILE_OPTIONS = UNTIMED_POINTWISE
 # The submodules of a decoder layer laid out as Llama's (Qwen2/3, Mistral, ...): pre-norm attention and
 # MLP, each added to the residual stream. Other layouts (Gemma's four norms, linear-attention mixers)
 # run as they are.
