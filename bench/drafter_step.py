@@ -28,6 +28,7 @@ from dflash_mp.gpu_memory import give_back_cached, memory_scalars
 from dflash_mp.flops import DrafterShape, drafter_attention_flops, drafter_matmul_flops
 from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import adamw_update_each, global_norm
+from dflash_mp.reductions import UNTIMED_POINTWISE
 from dflash_mp.target.weights import random_target_head
 from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
 
@@ -75,18 +76,20 @@ def parse_mode(mode: str) -> tuple[str, dict]:
     pointwise kernels); `+keepcache` the trainer keeps what its build left in the allocator's cache
     (the default gives it back, gpu_memory.give_back_cached); `+opttimed` the optimizer's update
     compiled with its pointwise configs timed at the first step, on clones of the buffers it updates
-    (the default since call Q14 takes them untimed: reductions.UNTIMED_POINTWISE)."""
+    (the default since call Q14 takes them untimed: reductions.UNTIMED_POINTWISE); `+pwuntimed` the
+    drafter's compiled layers and norms with their pointwise configs untimed too, as the target's layers
+    (the default times two configs of each at the first step)."""
     base, *flags = mode.split("+")
     out: dict = {}
     for f in flags:
         key, _, val = f.partition("=")
         if key not in ("loss", "ce", "amp", "tiles", "btiles", "addgrads", "flatgrads", "serial", "attn",
                        "nograph", "bptr", "fullrows", "foreachnorm", "headslast", "headsall", "fullmaster", "masked",
-                       "lt", "swiglu", "keepcache", "opttimed") or (
+                       "lt", "swiglu", "keepcache", "opttimed", "pwuntimed") or (
                 key in ("tiles", "btiles", "ce", "attn")) != bool(val) or (key == "btiles" and val not in TRITON_VARIANTS):
             raise ValueError(f"mode suffix {f!r}: use +ce=KERNEL, +attn=BACKEND, +loss, +amp, +addgrads, +flatgrads, "
                              f"+serial, +nograph, +bptr, +fullrows, +foreachnorm, +headslast, +headsall, +fullmaster, "
-                             f"+masked, +lt, +swiglu, +keepcache, +opttimed, "
+                             f"+masked, +lt, +swiglu, +keepcache, +opttimed, +pwuntimed, "
                              f"+tiles=NAME or +btiles=NAME (NAME in {sorted(TRITON_VARIANTS)})")
         out[key] = val or True
     if out.pop("loss", False):
@@ -137,6 +140,9 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
         tr.opt.grad_norm = global_norm
     if "opttimed" in flags and device.type == "cuda":  # the trainer compiles it on CUDA, in every mode
         tr.opt._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True)
+    if "pwuntimed" in flags and mode != "eager" and scope == "layers":  # compile_objective's modules, anew
+        for module in (*drafter.layers, drafter.hidden_norm, drafter.norm):
+            module.compile(dynamic=False, options=UNTIMED_POINTWISE)
     return tr
 
 
