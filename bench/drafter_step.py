@@ -30,7 +30,8 @@ from dflash_mp.model import DFlashDrafter, DrafterArgs
 from dflash_mp.optim import adamw_update_each, global_norm
 from dflash_mp.reductions import UNTIMED_POINTWISE
 from dflash_mp.target.weights import random_target_head
-from dflash_mp.trainer import DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig
+from dflash_mp.trainer import (DFlashObjective, DrafterConfig, DrafterTrainer, TrainConfig,
+                               layer_scope_modules)
 
 PEAK = 790e12
 
@@ -140,8 +141,8 @@ def build(p: dict, mode: str, device, chunk: int, scope: str = "step", attention
         tr.opt.grad_norm = global_norm
     if "opttimed" in flags and device.type == "cuda":  # the trainer compiles it on CUDA, in every mode
         tr.opt._update = torch.compile(adamw_update_each, dynamic=False, fullgraph=True)
-    if "pwuntimed" in flags and mode != "eager" and scope == "layers":  # compile_objective's modules, anew
-        for module in (*drafter.layers, drafter.hidden_norm, drafter.norm):
+    if "pwuntimed" in flags and mode != "eager" and scope == "layers":  # compiled anew, with the options
+        for module in layer_scope_modules(drafter):
             module.compile(dynamic=False, options=UNTIMED_POINTWISE)
     return tr
 

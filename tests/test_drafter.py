@@ -346,3 +346,26 @@ def test_flex_matches_dense_on_cuda_and_compiled_step_never_recompiles(backend):
         for a, b, c in zip(g_dense, g_flex, g_full):
             torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-3)
             torch.testing.assert_close(c, a, atol=2e-4, rtol=2e-3)
+
+
+@pytest.mark.parametrize("mode,scope", [("default", "layers"), ("default", "step"), ("eager", "layers")])
+def test_the_layers_scope_compiles_each_decoder_layer_and_both_outer_norms(mode, scope):
+    """train.compile_scope=layers: one compiled module per decoder layer plus the hidden and final norms
+    (trainer.layer_scope_modules, which the bench's modes also recompile); the step scope compiles the
+    objective whole and eager nothing, leaving the modules as they are. Compiles are lazy: nothing runs."""
+    from dflash_mp.trainer import DFlashObjective, DrafterConfig, compile_objective, layer_scope_modules
+
+    drafter = make_drafter()
+    embed, head = torch.randn(V, H), torch.randn(V, H)
+    cfg = DrafterConfig(block_size=B, num_anchors=2, max_anchors_per_doc=2, attention="dense", gamma=4.0)
+    obj = DFlashObjective(drafter, drafter.args, embed, head, cfg)
+    out = compile_objective(obj, mode, scope)
+    compiled = {name for name, m in drafter.named_modules() if m._compiled_call_impl is not None}
+    if (mode, scope) == ("default", "layers"):
+        assert out is obj
+        assert compiled == {f"layers.{i}" for i in range(len(drafter.layers))} | {"hidden_norm", "norm"}
+        named = {id(drafter.get_submodule(n)) for n in compiled}
+        assert {id(m) for m in layer_scope_modules(drafter)} == named
+    else:
+        assert compiled == set()
+        assert (out is obj) == (mode == "eager")

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # target's SwiGLU the pick came out either way in runs of the same code, the slower taking half again as
 # long (BENCHMARKS.md, issue 31); for the optimizer's update it ran them on clones of the buffers it
 # writes, which laid out 2.6 GiB of segments more at the 27B drafter's first step for the same kernel time
-# (call Q14).
+# (call Q14). The drafter's own layers keep the timing: both ways they got kernels of the same time (call V6).
 UNTIMED_POINTWISE = {"triton.autotune_pointwise": False}
 
 CHOICES = ("heuristic", "timed")

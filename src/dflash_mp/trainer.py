@@ -244,6 +244,13 @@ def resolve_loss_kernel(kernel: str, mode: str, device: torch.device) -> str:
     return kernel
 
 
+def layer_scope_modules(drafter: DFlashDrafter) -> tuple[nn.Module, ...]:
+    """What `train.compile_scope=layers` compiles, one graph each: the decoder layers and the two RMSNorms
+    outside them (eagerly, each is ~10 memory-bound kernels over [rows, hidden] in fp32 forward and
+    backward)."""
+    return (*drafter.layers, drafter.hidden_norm, drafter.norm)
+
+
 def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_kernel: str = "eager"):
     """`loss_kernel`: a resolved LOSS_KERNELS value, used by eager mode and layers scope."""
     objective.loss_kernel = loss_kernel
@@ -252,10 +259,7 @@ def compile_objective(objective: DFlashObjective, mode: str, scope: str, loss_ke
     if scope == "step":
         return torch.compile(objective, mode=mode, dynamic=False)
     if scope == "layers":
-        # The two RMSNorms outside the layers too: eagerly, each is ~10 memory-bound kernels over
-        # [rows, hidden] in fp32 forward and backward.
-        drafter = objective.drafter
-        for module in (*drafter.layers, drafter.hidden_norm, drafter.norm):
+        for module in layer_scope_modules(objective.drafter):
             module.compile(mode=mode, dynamic=False)
         return objective
     raise ValueError(f"train.compile_scope={scope!r}: use step or layers.")

@@ -78,8 +78,8 @@ class TargetSpec:
     sliding_window: int | None  # the window of its sliding-attention layers; None when it has none
     # The MLP width a token's activations take: a mixture of experts' routed experts together (those a token
     # visits times their width), else intermediate_size.
-    token_mlp_width: int = 0
-    tied_embeddings: bool = False  # one tensor for the embedding and the LM head
+    token_mlp_width: int
+    tied_embeddings: bool  # one tensor for the embedding and the LM head
 
     @classmethod
     def from_config(cls, config: dict) -> "TargetSpec":
