@@ -23,7 +23,10 @@ next layer (residual, delta) (TargetWorker's defer_residual), e.g. `trunc-triton
 Triton templates, with pointwise work after a matmul, as the SwiGLU, fused into the epilogue where a
 template wins; the pointwise configs stay untimed); `-autotune-tma` adds the persistent TMA matmul template
 (triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
-forward's time (`warmup_ms[0]`) holds the autotuning. `-lt` (before `-graph`): the matmuls through cuBLASLt
+forward's time (`warmup_ms[0]`) holds the autotuning. `-fold` (before `-graph`): the compiled layers'
+RMSNorm weights folded into the projections that read the norms' outputs (TargetWorker's fold_norms,
+target/fold.py; undone after the variant), e.g. `trunc-triton-compiled-fold-graph`. `-lt` (before
+`-graph`): the matmuls through cuBLASLt
 (torch.backends.cuda.preferred_blas_library("cublaslt") while the variant runs; the default: cuBLAS).
 Every truncated variant's captured hidden states are compared with the first truncated variant's, and
 with `--compare-states FILE` with another process's (`--save-states FILE`; the weights are seeded).
@@ -93,7 +96,7 @@ def main() -> None:
     saved = torch.load(a.compare_states).to(device).float() if a.compare_states else None  # another process's
     default_tiles = dict(doc_attn.TILES)
     for v in variants:
-        lt = contextlib.ExitStack()  # the `-lt` variants' BLAS library, PyTorch's again after the variant
+        lt = contextlib.ExitStack()  # after the variant: PyTorch's BLAS library (`-lt`), the norms unfolded
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
@@ -129,6 +132,10 @@ def main() -> None:
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
                                       defer_residual="-nodefer" not in v, compile_options=options,
                                       fused_swiglu=re.search(r"-swiglu(-|@|$)", v) is not None)
+                if re.search(r"-fold(-|@|$)", v):
+                    if not worker.deferred:
+                        raise ValueError(f"{v}: -fold folds compiled deferred layers only")
+                    lt.callback(lambda folds=worker.fold_layers(): [f.undo() for f in folds])
                 if graphed and worker.graph is None:
                     raise ValueError(f"{v}: no CUDA graph here ({worker.graph_why})")
                 fn = lambda: worker.forward(pb)  # noqa: E731

@@ -290,3 +290,98 @@ def test_a_tied_lm_head_is_loaded_once(tmp_path, tied):
     assert torch.equal(embed, lm.get_input_embeddings().weight.float())
     assert torch.equal(head, lm.get_output_embeddings().weight.float())
     assert (embed.data_ptr() == head.data_ptr()) == tied
+
+
+def _random_norm_weights(model, seed=1):
+    """Norm weights away from HF's ones, so a fold that drops or misplaces them shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(torch.empty(norm.weight.shape).uniform_(0.25, 3.0, generator=g))
+
+
+def test_folded_norms_capture_what_the_layers_own_forwards_do(tmp_path, caplog):
+    """`fold_norms`: the load check folds each compiled layer's two RMSNorms into q/k/v and gate/up
+    (the norms become Identities) and the captured states equal the unfolded eager forward's to fp32
+    rounding; in bf16 the folded states are as far from the fp32 ones as the unfolded states are."""
+    import logging
+
+    from dflash_mp.target.fold import NormedLinear
+
+    model = tiny_model(tmp_path)
+    _random_norm_weights(model)
+    truncate(model, 3)
+    cpu = torch.device("cpu")
+    pb = packed([10, 14, 8], 40)
+    want = TargetWorker(model, [1, 3], cpu).forward(pb).hidden
+    worker = TargetWorker(model, [1, 3], cpu, compile=True, fold_norms=True)
+    with caplog.at_level(logging.INFO, logger="dflash_mp.target"):
+        worker.check_compiled(64)
+    assert worker.folded == [0, 1, 2, 3] and 0 < worker.fold_diff < 1e-5
+    assert "the norms of 4 layers (0-3) folded into their projections" in caplog.text
+    layer = model.get_decoder().layers[2]
+    assert isinstance(layer.input_layernorm, torch.nn.Identity)
+    assert isinstance(layer.mlp.up_proj, NormedLinear)
+    torch.testing.assert_close(worker.forward(pb).hidden, want, rtol=1e-5, atol=1e-5)
+
+    exact = TargetWorker(tiny_model(tmp_path / "b"), [1, 3], cpu)  # the same weights, unfolded, in fp32
+    _random_norm_weights(exact.model)
+    truncate(exact.model, 3)
+    truth = exact.forward(pb).hidden
+    exact.model.to(torch.bfloat16)
+    plain = TargetWorker(exact.model, [1, 3], cpu).forward(pb).hidden
+    TargetWorker(exact.model, [1, 3], cpu).fold_layers()
+    folded = TargetWorker(exact.model, [1, 3], cpu).forward(pb).hidden
+    err = [float((x.float() - truth).norm() / truth.norm()) for x in (plain, folded)]
+    assert 0 < err[1] < 1.25 * err[0] and not torch.equal(plain, folded), err
+
+
+def test_norms_are_folded_only_where_the_arithmetic_allows(tmp_path, caplog):
+    """A norm of another form (here Gemma's `(1 + w) * x / rms`) is not folded; a layer whose attention
+    also reads its normed input another way (here added to its output) fails the load check, warned,
+    and stays as it was; `fold_layers` is undone bit for bit."""
+    import logging
+    import types
+
+    model = tiny_model(tmp_path)
+    _random_norm_weights(model)
+    truncate(model, 3)
+    layers = model.get_decoder().layers
+
+    def gemma(self, x):
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return ((1 + self.weight.float()) * x32 * r).to(x.dtype)
+
+    layers[0].post_attention_layernorm.forward = types.MethodType(gemma, layers[0].post_attention_layernorm)
+    attn_forward = layers[1].self_attn.forward
+
+    def leaky(self, hidden_states, **kwargs):
+        out, w = attn_forward(hidden_states=hidden_states, **kwargs)
+        return out + hidden_states, w
+
+    layers[1].self_attn.forward = types.MethodType(leaky, layers[1].self_attn)
+    cpu = torch.device("cpu")
+    pb = packed([12, 9], 24)
+    want = TargetWorker(model, [1, 3], cpu).forward(pb).hidden
+    worker = TargetWorker(model, [1, 3], cpu, compile=True, fold_norms=True)
+    with caplog.at_level(logging.WARNING, logger="dflash_mp.target"):
+        worker.check_compiled(64)
+    assert worker.folded == [0, 2, 3]
+    assert "layer 1 with its norms folded into its projections differs from its own forward" in caplog.text
+    assert type(layers[0].post_attention_layernorm) is not torch.nn.Identity  # Gemma's: kept
+    assert isinstance(layers[0].input_layernorm, torch.nn.Identity)
+    assert type(layers[1].self_attn.q_proj) is torch.nn.Linear  # undone
+    torch.testing.assert_close(worker.forward(pb).hidden, want, rtol=1e-5, atol=1e-5)
+
+    plain = tiny_model(tmp_path / "c")
+    _random_norm_weights(plain)
+    truncate(plain, 3)
+    eager = TargetWorker(plain, [1, 3], cpu)
+    before = eager.forward(pb).hidden
+    folds = eager.fold_layers()
+    assert len(folds) == 4 and not torch.equal(eager.forward(pb).hidden, before)
+    for f in folds:
+        f.undo()
+    assert torch.equal(eager.forward(pb).hidden, before)

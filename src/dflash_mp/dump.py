@@ -131,7 +131,8 @@ def run_dump(job, cfg: DumpConfig) -> dict | None:
             process_options.apply(job.target, device, "target")  # before any GEMM and compile
             worker = TargetWorker.load(target_path, layer_ids, device, dtype, job.target.attn_implementation,
                                        job.target.compile, job.target.packing_check,
-                                       probe_len=job.data.seq_len * per, cuda_graph=job.target.cuda_graph)
+                                       probe_len=job.data.seq_len * per, cuda_graph=job.target.cuda_graph,
+                                       fold_norms=job.target.fold_norms)
             for i in todo:
                 first, n = plan[i]
                 seek(stream, first)

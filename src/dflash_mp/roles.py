@@ -163,7 +163,8 @@ class TargetRun(_RoleRun):
                                             job.target.attn_implementation, job.target.compile,
                                             job.target.packing_check, layers=layers,
                                             probe_len=job.data.seq_len * job.target.rows_per_forward,
-                                            cuda_graph=job.target.cuda_graph)
+                                            cuda_graph=job.target.cuda_graph,
+                                            fold_norms=job.target.fold_norms)
         self.compiled = self.worker.compiled  # False where the compiled forward failed its check
         self.saves_cache = self.compiled and topo.replica_index(topo.rank) == 0
         live.phase("starting", "transport")

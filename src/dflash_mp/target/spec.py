@@ -28,6 +28,10 @@ class TargetConfig:
     # Replay the forward as one CUDA graph where it can be captured (target/graph.py: the Triton attention,
     # no linear-attention or MoE layers); false launches it from Python each time.
     cuda_graph: bool = True
+    # Fold each compiled layer's RMSNorm weights into the projections that read the norm (target/fold.py):
+    # the normed rows are never written (1.7 GB a forward at 8B shapes); kept per layer where the folded
+    # output equals the layer's own to rounding (checked at load). CUDA compiled layers laid out as Llama's.
+    fold_norms: bool = False
     # Ranks per target replica: >1 splits the target's layers over that many consecutive ranks of one
     # node (a target larger than one GPU), balanced by forward cost; see stages.py.
     stages: int = 1

@@ -21,6 +21,7 @@ from ..reductions import UNTIMED_POINTWISE
 from ..triton_launch import shared_memory
 from .linear_attn import Spans, describe as describe_linear, documents, install
 from .doc_attn import ATTN_NAME as DOC_ATTENTION, doc_rows, register as register_doc_attention, unsupported
+from .fold import Fold, fold_layer
 from .attention import (FLEX_OUTSIDE_GRAPH, VARLEN_OUTSIDE_GRAPH, block_diagonal_causal_mask, check_varlen,
                         choose_attention, describe_attention, doc_causal_block_mask, fallback_attention,
                         load_attention, register_flex_outside_graph, register_varlen_outside_graph, sliding_window_of,
@@ -131,12 +132,17 @@ class TargetWorker:
 
     `fused_swiglu`: compiled deferred layers run their MLP's gate and up projections and the SwiGLU as
     one Triton GEMM (DeferredAdd; bench/target_forward.py's `-swiglu` variants).
+
+    `fold_norms`: compiled deferred layers get their RMSNorm weights folded into the projections that
+    read the norms' outputs (fold.py), so the normed rows are never written; done by check_compiled,
+    layer by layer, where a folded layer's output equals its own forward's to rounding (`folded` lists
+    them). `fold_layers` folds without that check (bench/target_forward.py's `-fold` variants).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, compile: bool = False,
                  flex_in_graph: bool = False, layers: tuple[int, int] | None = None, cross_documents: bool = False,
                  compile_scope: str = "layers", cuda_graph: bool = False, defer_residual: bool = True,
-                 compile_options: dict | None = None, fused_swiglu: bool = False):
+                 compile_options: dict | None = None, fused_swiglu: bool = False, fold_norms: bool = False):
         self.all_layer_ids = sorted(layer_ids)
         first, end = layers if layers is not None else (0, max(layer_ids) + 1)
         self.first_stage, self.last_stage = first == 0, end == max(layer_ids) + 1
@@ -192,7 +198,10 @@ class TargetWorker:
         self.compile_options = {**COMPILE_OPTIONS, **(compile_options or {})}
         self._calls = self._eager_calls = list(decoder.layers)  # what the forward calls, per layer
         self.deferred = False  # the compiled layers are DeferredAdds
+        self.fold_norms = False  # check_compiled folds the layers' norms (class docstring)
         self.fused_swiglu = fused_swiglu
+        self.folded: list[int] = []  # layers whose norms are folded into their projections
+        self.fold_diff = 0.0  # the largest folded layer's difference from its own forward (check_compiled)
         if not compile:
             self._run = self._forward
         elif compile_scope == "layers":
@@ -200,6 +209,8 @@ class TargetWorker:
                                                    for i in range(first, end))
             self._compile_layers()
             self._run = self._forward
+            # The fused SwiGLU reads the MLP's Linear weights itself: no folded gate/up under it.
+            self.fold_norms = fold_norms and self.deferred and not fused_swiglu
         elif compile_scope == "forward":
             self._run = torch.compile(self._forward, dynamic=False, options=self.compile_options)
         else:
@@ -214,13 +225,14 @@ class TargetWorker:
     def load(cls, path: str, layer_ids: list[int], device: torch.device, dtype: torch.dtype,
              attn_implementation: str = "auto", compile: bool = False,
              packing_check: bool = True, layers: tuple[int, int] | None = None,
-             probe_len: int = 512, cuda_graph: bool = False) -> "TargetWorker":
+             probe_len: int = 512, cuda_graph: bool = False, fold_norms: bool = False) -> "TargetWorker":
         """`layers`: the [first, end) decoder layers this rank runs (one stage of a staged target,
         stages.StagePlan); None runs every layer up to the last captured one. Only those layers'
         weights are read (and the embedding on a first stage). The attention implementation is
         chosen for the model's class (attention.choose_attention). A compiled forward is checked
         against the eager one on a row of `probe_len` tokens (the run's row length: no second compile).
-        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py)."""
+        `cuda_graph`: replay the forward as a CUDA graph where it can be captured (graph.py). `fold_norms`:
+        the compiled layers' norms folded into their projections where the check allows (class docstring)."""
         last = max(layer_ids)
         first, end = layers if layers is not None else (0, last + 1)
         if not 0 <= first < end <= last + 1:
@@ -247,7 +259,7 @@ class TargetWorker:
         truncate(model, last)
         model.to(device).eval().requires_grad_(False)
         worker = cls(model, layer_ids, device, compile=compile and device.type == "cuda", layers=(first, end),
-                     cuda_graph=cuda_graph)
+                     cuda_graph=cuda_graph, fold_norms=fold_norms)
         log.info("target %s: attention %s; linear attention: %s; CUDA graph: %s", type(model).__name__,
                  worker.attention, worker.linear_how, worker.describe_graph())
         if worker.compiled:
@@ -441,7 +453,7 @@ class TargetWorker:
         else:
             h = (self.decoder.embed_tokens(x) if self.first_stage else x)[None]
             rel = self._check_layers(ProbeRow(self, docs, pos, h), h)
-        tol = 1e-3 if self.dtype == torch.float32 else 0.1
+        tol = self._tolerance
         name = type(self.model).__name__
         if not rel <= tol:
             log.warning("target %s: the compiled forward's features differ from the eager ones by %.2e per token "
@@ -453,19 +465,43 @@ class TargetWorker:
             log.info("target %s: the compiled %s equal%s the eager one%s to %.1e per token (tolerance %.0e)%s", name,
                      *(("forward", "s", "") if self.compile_scope == "forward" else ("layers", "", "s")), rel, tol,
                      "; each layer's last residual add runs in the next one's input norm" if self.deferred else "")
+        if self.folded:
+            log.info("target %s: the norms of %d layers (%d-%d) folded into their projections, %.1e per "
+                     "token from their own forwards", name, len(self.folded), min(self.folded),
+                     max(self.folded), self.fold_diff)
         return rel
+
+    @property
+    def _tolerance(self) -> float:
+        """How far (mean relative per token) a layer's compiled or folded output may be from its own."""
+        return 1e-3 if self.dtype == torch.float32 else 0.1
 
     def _check_layers(self, row, h: torch.Tensor) -> float:
         """check_compiled layer by layer from the probe row's input h: the largest mean relative
-        difference per token of a compiled layer from its eager output. Deferred, each layer run eager as
-        a DeferredAdd must also give its own forward's output bit for bit (a layer with Llama's
-        submodules but other arithmetic, e.g. a scaled residual, does not); where one does not, the
-        layers are compiled as they are, warned, and checked again from the start."""
+        difference per token of a compiled layer from its eager output. With `fold_norms`, each layer is
+        folded first and kept folded where its eager output stays within rounding of its own forward's
+        (then the folded layer is the reference). Deferred, each layer run eager as a DeferredAdd must
+        also give its own forward's output bit for bit (a layer with Llama's submodules but other
+        arithmetic, e.g. a scaled residual, does not); where one does not, the layers are compiled as
+        they are, warned, and checked again from the start."""
         from .packing import per_token_rel
 
         rel, h0 = 0.0, h
         for i in range(*self.stage_layers):
             want = row.run(self, i, h)
+            fold = fold_layer(self.decoder.layers[i], self.hidden_size) if self.fold_norms else None
+            if fold is not None:
+                got = row.run(self, i, h)
+                diff = float(per_token_rel(got, want).mean())
+                if diff <= self._tolerance:
+                    self.folded.append(i)
+                    self.fold_diff = max(self.fold_diff, diff)
+                    want = got  # the replaced modules (`fold`) are freed once it goes
+                else:
+                    fold.undo()
+                    log.warning("target %s: layer %d with its norms folded into its projections differs from "
+                                "its own forward by %.2e per token (tolerance %.0e): left unfolded",
+                                type(self.model).__name__, i, diff, self._tolerance)
             if self.deferred and not torch.equal(row.run(self, i, h, deferred=True), want):
                 log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
                             "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
@@ -475,6 +511,14 @@ class TargetWorker:
             rel = max(rel, float(per_token_rel(row.run(self, i, h, compiled=True), want).mean()))
             h = want
         return rel
+
+    def fold_layers(self) -> list[Fold]:
+        """Fold every layer of the stage whose norms fold (fold.fold_layer) without check_compiled's
+        check; `undo()` each Fold returned to put the layers back."""
+        folds = [(i, fold_layer(self.decoder.layers[i], self.hidden_size)) for i in range(*self.stage_layers)
+                 if i not in self.folded]
+        self.folded += [i for i, f in folds if f is not None]
+        return [f for _, f in folds if f is not None]
 
     def check_packing(self, lengths: tuple[int, ...] = (128, 256), seed: int = 0) -> dict[int, float]:
         from .packing import check_packing
