@@ -25,7 +25,8 @@ template wins; the pointwise configs stay untimed); `-autotune-tma` adds the per
 (triton.enable_persistent_tma_matmul), e.g. `trunc-triton-compiled-autotune-graph`. The first
 forward's time (`warmup_ms[0]`) holds the autotuning. `-fold` (before `-graph`): the compiled layers'
 RMSNorm weights folded into the projections that read the norms' outputs (TargetWorker's fold_norms,
-target/fold.py; undone after the variant), e.g. `trunc-triton-compiled-fold-graph`. `-lt` (before
+target/fold.py; undone after the variant), e.g. `trunc-triton-compiled-fold-graph`; `-foldcheck` folds them as
+a job's load does (TargetWorker.check_compiled, for good: run it last). `-lt` (before
 `-graph`): the matmuls through cuBLASLt
 (torch.backends.cuda.preferred_blas_library("cublaslt") while the variant runs; the default: cuBLAS).
 Every truncated variant's captured hidden states are compared with the first truncated variant's, and
@@ -131,7 +132,12 @@ def main() -> None:
                 worker = TargetWorker(model, layer_ids, device, compile="compiled" in v,
                                       flex_in_graph=v.endswith("ingraph"), cuda_graph=graphed,
                                       defer_residual="-nodefer" not in v, compile_options=options,
-                                      fused_swiglu=re.search(r"-swiglu(-|@|$)", v) is not None)
+                                      fused_swiglu=re.search(r"-swiglu(-|@|$)", v) is not None,
+                                      fold_norms=re.search(r"-foldcheck(-|@|$)", v) is not None)
+                check = {}
+                if worker.fold_norms:  # the load's check folds the layers (for good: run such a variant last)
+                    check = {"check_rel": worker.check_compiled(a.seq_len), "folded": len(worker.folded),
+                             "fold_diff": worker.fold_diff}
                 if re.search(r"-fold(-|@|$)", v):
                     if not worker.deferred:
                         raise ValueError(f"{v}: -fold folds compiled deferred layers only")
@@ -143,10 +149,14 @@ def main() -> None:
             warm = timed(fn, 3, device)
             c0 = counts()
             ms = timed(fn, a.steps, device)
+            # As a job's target runs them: forwards back to back, one sync at the end (the GPU stays busy,
+            # its clocks where a sustained load puts them).
+            b2b = timed(lambda: [fn() for _ in range(a.steps)], 1, device)[0] / a.steps
             c1 = counts()
             med = median(ms)
             r = {"variant": v, "ms": med, "tokens_per_s": a.seq_len * 1000 / med, "tflop": f / 1e12,
-                 "mfu": f / (med / 1000) / PEAK, "warmup_ms": warm, "recompiles": c1["graphs"] - c0["graphs"]}
+                 "mfu": f / (med / 1000) / PEAK, "ms_each": ms, "ms_back_to_back": b2b, "warmup_ms": warm,
+                 "recompiles": c1["graphs"] - c0["graphs"], **(check if not v.startswith("full") else {})}
             if not v.startswith("full"):
                 h = fn().hidden.float()
                 if first is None:
@@ -170,13 +180,15 @@ def main() -> None:
         print(r, flush=True)
         write_json(res, "target_qwen3_8b.json" if not a.tiny else "target_tiny.json")
     print(f"\ntarget forward, T={a.seq_len}, docs {lens}, layers {layer_ids} on {res['device']}")
-    print(f"{'variant':28} {'ms':>8} {'tok/s':>10} {'TFLOP':>7} {'MFU':>6} {'recomp':>6} {'max rel diff':>12}")
+    print(f"{'variant':28} {'ms':>8} {'b2b ms':>8} {'tok/s':>10} {'TFLOP':>7} {'MFU':>6} {'recomp':>6} "
+          f"{'max rel diff':>12}")
     for r in res["variants"]:
         if "error" in r:
             print(f"{r['variant']:28} ERROR {r['error'][:120]}")
         else:
             diff = next((f"{x:12.2e}" for k, x in r.items() if k.startswith("rel_diff")), f"{'':12}")
-            print(f"{r['variant']:28} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['tflop']:7.2f} {r['mfu']:6.3f} "
+            print(f"{r['variant']:28} {r['ms']:8.2f} {r['ms_back_to_back']:8.2f} {r['tokens_per_s']:10.0f} "
+                  f"{r['tflop']:7.2f} {r['mfu']:6.3f} "
                   f"{r['recompiles']:6d} {diff}")
     for r in res["variants"]:
         if "rel_diff_vs_saved_states" in r:
