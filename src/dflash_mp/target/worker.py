@@ -496,12 +496,13 @@ class TargetWorker:
                 if diff <= self._tolerance:
                     self.folded.append(i)
                     self.fold_diff = max(self.fold_diff, diff)
-                    want = got  # the replaced modules (`fold`) are freed once it goes
+                    want = got
                 else:
                     fold.undo()
                     log.warning("target %s: layer %d with its norms folded into its projections differs from "
                                 "its own forward by %.2e per token (tolerance %.0e): left unfolded",
                                 type(self.model).__name__, i, diff, self._tolerance)
+                del fold, got  # the replaced modules and their weights, freed before the next layer's fold
             if self.deferred and not torch.equal(row.run(self, i, h, deferred=True), want):
                 log.warning("target %s: layer %d run with its residual add deferred to the next layer differs "
                             "from its own forward; compiling the layers as they are", type(self.model).__name__, i)
