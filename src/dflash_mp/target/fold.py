@@ -12,6 +12,11 @@ also the normed [T, H] rows (25 MB a norm at the 8B target's T = 3072, 1.7 GB a 
 layers), and r is applied where the projection's output is read anyway: in the q/k norm and RoPE
 kernel, the SwiGLU kernel, and one pass over v (its readers are the attention kernel).
 
+Measured at 8B shapes on an H100 (BENCHMARKS.md, call X1): the add-and-norm kernels saved 0.67 ms a
+forward, but the q/k kernels that now scale by r took 0.52 ms more and the pass over v 0.14, so the
+kernels' sum did not move; the forward, timed call by call, was 1.5-2.0 ms faster, while the profiler's
+back-to-back forwards ran busier. Hence `target.fold_norms` stays off until timed back to back.
+
 The product is the same up to where bf16 rounds (the folded weight once, the matmul's output before
 r instead of after); TargetWorker keeps a layer folded only where its folded output equals its own to
 that rounding (`check_compiled`). A norm of another form (Gemma's `1 + w`, a centred LayerNorm) is
