@@ -14,7 +14,7 @@ kernel, the SwiGLU kernel, and one pass over v (its readers are the attention ke
 
 Measured at 8B shapes on an H100 (BENCHMARKS.md, call X1): the add-and-norm kernels saved 0.67 ms a
 forward, but the q/k kernels that now scale by r took 0.52 ms more and the pass over v 0.14, so the
-kernels' sum did not move; the forward, timed call by call, was 1.5-2.0 ms faster, while the profiler's
+kernels' sum did not move; the forward, timed call by call, was 1.45-2.03 ms faster, while the profiler's
 back-to-back forwards ran busier. Hence `target.fold_norms` stays off until timed back to back.
 
 The product is the same up to where bf16 rounds (the folded weight once, the matmul's output before
