@@ -92,6 +92,8 @@ def main() -> None:
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "variants": []}
     ids, pos, docs = (t.to(device) for t in (pb.input_ids, pb.position_ids, pb.doc_ids))
     variants = a.variants.split(",")
+    if any(re.search(r"-foldcheck(-|@|$)", v) for v in variants[:-1]):
+        ap.error("a -foldcheck variant folds the model's norms for good: it must be the last variant")
     truncated = False
     first = None  # (variant, captured hidden states) of the first truncated variant: the others must match it
     saved = torch.load(a.compare_states).to(device).float() if a.compare_states else None  # another process's
