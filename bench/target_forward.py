@@ -100,6 +100,7 @@ def main() -> None:
     default_tiles = dict(doc_attn.TILES)
     for v in variants:
         lt = contextlib.ExitStack()  # after the variant: PyTorch's BLAS library (`-lt`), the norms unfolded
+        check = {}  # what the load's check found (`-foldcheck`)
         try:
             tiles = re.fullmatch(r".*@m(\d+)n(\d+)w(\d+)s(\d+)", v)
             if tiles:  # the Triton kernel's tiles for this variant (kept while it runs: read at each forward)
@@ -136,7 +137,6 @@ def main() -> None:
                                       defer_residual="-nodefer" not in v, compile_options=options,
                                       fused_swiglu=re.search(r"-swiglu(-|@|$)", v) is not None,
                                       fold_norms=re.search(r"-foldcheck(-|@|$)", v) is not None)
-                check = {}
                 if worker.fold_norms:  # the load's check folds the layers (for good: run such a variant last)
                     check = {"check_rel": worker.check_compiled(a.seq_len), "folded": len(worker.folded),
                              "fold_diff": worker.fold_diff}
@@ -158,7 +158,7 @@ def main() -> None:
             med = median(ms)
             r = {"variant": v, "ms": med, "tokens_per_s": a.seq_len * 1000 / med, "tflop": f / 1e12,
                  "mfu": f / (med / 1000) / PEAK, "ms_each": ms, "ms_back_to_back": b2b, "warmup_ms": warm,
-                 "recompiles": c1["graphs"] - c0["graphs"], **(check if not v.startswith("full") else {})}
+                 "recompiles": c1["graphs"] - c0["graphs"], **check}
             if not v.startswith("full"):
                 h = fn().hidden.float()
                 if first is None:

@@ -87,12 +87,8 @@ class Fold:
     """The norms of one layer folded into their readers (`fold_layer`); `undo()` puts the layer back as it
     was. Holding a Fold keeps the replaced modules (and their weights) alive: drop it to free them."""
 
-    def __init__(self, layer: nn.Module, swapped: list[tuple[nn.Module, str, nn.Module]]):
-        self.layer, self.swapped = layer, swapped
-
-    @property
-    def norms(self) -> list[str]:
-        return [name for parent, name, _ in self.swapped if parent is self.layer]
+    def __init__(self, swapped: list[tuple[nn.Module, str, nn.Module]]):
+        self.swapped = swapped  # (parent, attribute, the module it held), in the order they were replaced
 
     def undo(self) -> None:
         for parent, name, module in reversed(self.swapped):
@@ -121,4 +117,4 @@ def fold_layer(layer: nn.Module, hidden: int) -> Fold | None:
             setattr(block, name, NormedLinear(weight, None if m.bias is None else m.bias.detach(), eps))
         swapped.append((layer, norm_name, norm))
         setattr(layer, norm_name, nn.Identity())
-    return Fold(layer, swapped) if swapped else None
+    return Fold(swapped) if swapped else None
